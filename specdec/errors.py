@@ -1,0 +1,55 @@
+"""Domain errors of the core. Servers map them once, in an interceptor, to gRPC status codes.
+
+Every message says what was wrong and what is allowed, because it reaches the caller verbatim.
+"""
+
+
+class SpecDecError(Exception):
+    """Base of every error the core raises on purpose."""
+
+
+class InvalidArgument(SpecDecError):
+    """A request field is out of range (maps to INVALID_ARGUMENT)."""
+
+
+class SessionNotFound(SpecDecError):
+    """No session with this id is cached here (maps to NOT_FOUND)."""
+
+    def __init__(self, session_id: str):
+        super().__init__(f"session {session_id!r} is unknown or has ended")
+        self.session_id = session_id
+
+
+class SessionExists(SpecDecError):
+    """A session with this id is already cached here (maps to ALREADY_EXISTS)."""
+
+    def __init__(self, session_id: str):
+        super().__init__(f"session {session_id!r} already exists; end it first or use another id")
+        self.session_id = session_id
+
+
+class PositionMismatch(SpecDecError):
+    """A mutating call named a position the session is not at (maps to FAILED_PRECONDITION).
+
+    Carrying the actual position lets a caller that lost a message resynchronise instead of guessing.
+    """
+
+    def __init__(self, session_id: str, expected: int, actual: int):
+        super().__init__(
+            f"session {session_id!r} is at position {actual}, the request expected {expected}"
+        )
+        self.session_id = session_id
+        self.expected = expected
+        self.actual = actual
+
+
+class CacheFull(SpecDecError):
+    """No KV cache slot or room is left and nothing can be evicted (maps to RESOURCE_EXHAUSTED)."""
+
+
+class IncompatibleModels(SpecDecError):
+    """Draft and target disagree on tokenizer or vocabulary (maps to FAILED_PRECONDITION)."""
+
+
+class ContextOverflow(InvalidArgument):
+    """A sequence would exceed the model's context length (maps to INVALID_ARGUMENT)."""
