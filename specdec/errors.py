@@ -53,3 +53,17 @@ class IncompatibleModels(SpecDecError):
 
 class ContextOverflow(InvalidArgument):
     """A sequence would exceed the model's context length (maps to INVALID_ARGUMENT)."""
+
+
+class EpochMismatch(SpecDecError):
+    """A Propose named a parent epoch that is not the session's latest proposal (maps to
+    FAILED_PRECONDITION): a stale or reordered accept/rollback message."""
+
+    def __init__(self, session_id: str, expected: int, actual: int):
+        super().__init__(
+            f"session {session_id!r}: the latest proposal is epoch {actual}, the request confirms "
+            f"epoch {expected}"
+        )
+        self.session_id = session_id
+        self.expected = expected
+        self.actual = actual
