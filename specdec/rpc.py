@@ -1,0 +1,37 @@
+"""The one import point for the generated `specdec.v1` protocol modules.
+
+    from specdec.rpc import target_pb2, target_pb2_grpc
+
+Importing this module (re)generates the code first when the .proto files changed (see
+specdec.protogen), so a fresh checkout needs no separate build step. Only server and client modules
+(and the boundary converters in specdec.rpc_convert) import it; the core never sees protobuf.
+"""
+
+from __future__ import annotations
+
+from specdec.protogen import ensure_generated
+
+ensure_generated()
+
+# Generated modules, imported only after ensure_generated() has made sure they exist and are current.
+from specdec.v1 import common_pb2  # noqa: E402
+from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc  # noqa: E402
+from specdec.v1 import draft_pb2, draft_pb2_grpc  # noqa: E402
+from specdec.v1 import target_pb2, target_pb2_grpc  # noqa: E402
+
+# Trailing metadata of a FAILED_PRECONDITION position or epoch mismatch (decimal ASCII values): the
+# session's actual position and, from the draft service, its newest live proposal's epoch.
+ACTUAL_POSITION_KEY = "specdec-actual-position"
+LATEST_EPOCH_KEY = "specdec-latest-epoch"
+
+__all__ = [
+    "ACTUAL_POSITION_KEY",
+    "LATEST_EPOCH_KEY",
+    "common_pb2",
+    "coordinator_pb2",
+    "coordinator_pb2_grpc",
+    "draft_pb2",
+    "draft_pb2_grpc",
+    "target_pb2",
+    "target_pb2_grpc",
+]
