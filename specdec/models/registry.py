@@ -135,8 +135,13 @@ def model_dir(name: str, home: Path | str | None = None) -> Path:
     """Where a registry model's HF directory is (or would be) on this machine."""
     spec = _spec(name)
     if isinstance(spec, PackagedModel):
-        return Path(str(resources.files("specdec"))) / "data" / "drafts" / spec.name
+        return packaged_root() / spec.name
     return specdec_home(home) / "models" / spec.name
+
+
+def packaged_root() -> Path:
+    """Where "packaged" models ship: specdec/data/drafts/ inside the installed package."""
+    return Path(str(resources.files("specdec"))) / "data" / "drafts"
 
 
 def list_models(home: Path | str | None = None) -> list[ModelEntry]:
