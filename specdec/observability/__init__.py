@@ -1,0 +1,1 @@
+"""Tracing (OpenTelemetry) and metrics (Prometheus) shared by the services and the engines."""

@@ -1,0 +1,104 @@
+"""OpenTelemetry tracing: provider setup from the standard OTEL_* variables, and gRPC propagation.
+
+Exporters (first match wins):
+- an `exporter` passed in (tests: InMemorySpanExporter), exported synchronously;
+- OTEL_TRACES_EXPORTER=none: nothing; =console: ConsoleSpanExporter;
+- OTEL_TRACES_EXPORTER=otlp, OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT set:
+  the OTLP gRPC exporter, which reads its endpoint, headers, TLS and timeout from those variables;
+- otherwise no exporter: spans still carry trace context across services, nothing is sent.
+Sampling: OTEL_TRACES_SAMPLER(/_ARG) when set, else ParentBased(TraceIdRatioBased(sampling_ratio)),
+so a trace is sampled or not as a whole, decided where it starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    ConsoleSpanExporter,
+    SimpleSpanProcessor,
+    SpanExporter,
+)
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
+logger = logging.getLogger(__name__)
+
+# Health probes every few seconds and reflection would drown real traces.
+_UNTRACED_SERVICES = ("grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection")
+
+
+def _env_exporters() -> list[SpanExporter]:
+    names = {n.strip().lower() for n in os.environ.get("OTEL_TRACES_EXPORTER", "").split(",") if n.strip()}
+    if "none" in names:
+        return []
+    exporters: list[SpanExporter] = []
+    if "console" in names:
+        exporters.append(ConsoleSpanExporter())
+    endpoint_set = any(
+        os.environ.get(v) for v in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    )
+    if "otlp" in names or endpoint_set:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get(
+            "OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"
+        )
+        if protocol != "grpc":
+            logger.warning("OTLP protocol %r is not installed; exporting over grpc", protocol)
+        exporters.append(OTLPSpanExporter())
+    return exporters
+
+
+def setup_tracing(
+    service_name: str,
+    sampling_ratio: float = 1.0,
+    exporter: SpanExporter | None = None,
+    *,
+    set_global: bool = False,
+) -> TracerProvider:
+    """A TracerProvider for one service. Pass it explicitly (serve(), create_channel(), the
+    engines' tracers); set_global=True also installs it for libraries that use the global one.
+    The owner calls provider.shutdown() at exit to flush batched spans."""
+    sampler = (
+        None if os.environ.get("OTEL_TRACES_SAMPLER") else ParentBased(TraceIdRatioBased(sampling_ratio))
+    )
+    # Resource.create merges OTEL_RESOURCE_ATTRIBUTES; OTEL_SERVICE_NAME, when set, wins.
+    name = os.environ.get("OTEL_SERVICE_NAME") or service_name
+    provider = TracerProvider(sampler=sampler, resource=Resource.create({SERVICE_NAME: name}))
+    if exporter is not None:
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+    else:
+        for env_exporter in _env_exporters():
+            provider.add_span_processor(BatchSpanProcessor(env_exporter))
+    if set_global:
+        from opentelemetry import trace
+
+        trace.set_tracer_provider(provider)
+    return provider
+
+
+def _traced_filter():
+    from opentelemetry.instrumentation.grpc.filters import any_of, negate, service_name
+
+    return negate(any_of(*(service_name(s) for s in _UNTRACED_SERVICES)))
+
+
+def server_interceptor(tracer_provider=None):
+    """grpc.aio server interceptor: continues the caller's trace (W3C traceparent in metadata) and
+    records a SERVER span per call. Streaming handlers must be async generators (yield), which
+    the instrumentation iterates; health and reflection are not traced."""
+    from opentelemetry.instrumentation.grpc import aio_server_interceptor
+
+    return aio_server_interceptor(tracer_provider=tracer_provider, filter_=_traced_filter())
+
+
+def client_interceptors(tracer_provider=None) -> list:
+    """grpc.aio client interceptors: a CLIENT span per call and the current context injected as
+    W3C traceparent metadata, so the server span becomes its child."""
+    from opentelemetry.instrumentation.grpc import aio_client_interceptors
+
+    return aio_client_interceptors(tracer_provider=tracer_provider, filter_=_traced_filter())

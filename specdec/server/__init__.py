@@ -1,0 +1,1 @@
+"""Server toolkit for the gRPC services: settings, credentials, interceptors and bootstrap."""

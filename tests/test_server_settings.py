@@ -1,0 +1,97 @@
+"""ServerSettings / ClientSettings: validation, flags > env > defaults, tokens never in a repr."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from specdec.server.settings import (
+    ClientSettings,
+    ConfigError,
+    ServerSettings,
+    add_client_arguments,
+    add_server_arguments,
+    client_settings_from_args,
+    server_settings_from_args,
+)
+
+
+def parse(argv: list[str], environ: dict[str, str], **defaults) -> ServerSettings:
+    parser = argparse.ArgumentParser()
+    add_server_arguments(parser, environ=environ, **{"port": 50052, **defaults})
+    return server_settings_from_args(parser.parse_args(argv), service="target", environ=environ)
+
+
+def test_tls_is_required_unless_plaintext_is_explicit():
+    with pytest.raises(ConfigError, match="--plaintext"):
+        ServerSettings()
+    with pytest.raises(ConfigError, match="exclude"):
+        ServerSettings(plaintext=True, tls_cert=Path("c"), tls_key=Path("k"))
+    with pytest.raises(ConfigError, match="clear"):
+        ServerSettings(plaintext=True, auth_tokens=frozenset({"t"}))
+    assert ServerSettings(plaintext=True).plaintext
+    mtls = ServerSettings(tls_cert=Path("c"), tls_key=Path("k"), tls_client_ca=Path("ca"), health_port=9)
+    assert mtls.mutual_tls and mtls.serves_separate_health_port
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"port": 70000},
+        {"port": 1, "health_port": 1},
+        {"health_port": 5, "metrics_port": 5},
+        {"max_message_bytes": 0},
+        {"grace_period_s": -1},
+    ],
+)
+def test_out_of_range_values_are_refused(kwargs):
+    with pytest.raises(ConfigError):
+        ServerSettings(plaintext=True, **kwargs)
+
+
+def test_flags_override_env_which_overrides_defaults(tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text("# accepted tokens\nfile-token\n\n")
+    env = {
+        "SPECDEC_PORT": "6000",
+        "SPECDEC_METRICS_PORT": "9100",
+        "SPECDEC_TLS_CERT": "/tls/c.pem",
+        "SPECDEC_TLS_KEY": "/tls/k.pem",
+        "SPECDEC_AUTH_TOKENS": "env-a, env-b",
+        "SPECDEC_TRACE_SAMPLING_RATIO": "0.25",
+        "OTEL_SERVICE_NAME": "target-eu",
+    }
+    s = parse(
+        ["--port", "7000", "--auth-tokens-file", str(tokens), "--health-port", "none"], env, health_port=50062
+    )
+    assert (s.port, s.metrics_port, s.health_port) == (7000, 9100, None)
+    assert s.tls_cert == Path("/tls/c.pem") and not s.plaintext
+    assert s.auth_tokens == {"file-token", "env-a", "env-b"}
+    assert s.tracing.sampling_ratio == 0.25 and s.tracing.service_name == "target-eu"
+    assert "token" not in repr(s)
+
+    d = parse(["--plaintext"], {}, health_port=50062)
+    assert (d.port, d.health_port, d.metrics_port, d.host) == (50052, 50062, None, "127.0.0.1")
+    assert d.tracing.service_name == "specdec-target" and d.tracing.cycle_span_every == 1
+
+
+def test_client_arguments_per_upstream(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("secret-token\n")
+    parser = argparse.ArgumentParser()
+    add_client_arguments(parser, "target", environ={"SPECDEC_TARGET_TLS_CA": "/tls/ca.pem"})
+    add_client_arguments(parser, "draft", environ={})
+    args = parser.parse_args(
+        ["--target-auth-token-file", str(token), "--draft-plaintext", "--draft-timeout", "2"]
+    )
+    target = client_settings_from_args(args, "target", environ={})
+    draft = client_settings_from_args(args, "draft", environ={})
+    assert target.tls_ca == Path("/tls/ca.pem") and target.auth_token == "secret-token"
+    assert "secret" not in repr(target)
+    assert draft.plaintext and draft.timeout_s == 2.0
+    with pytest.raises(ConfigError):
+        ClientSettings(plaintext=True, auth_token="t")
+    with pytest.raises(ConfigError):
+        ClientSettings(tls_cert=Path("c"))
