@@ -67,3 +67,13 @@ class EpochMismatch(SpecDecError):
         self.session_id = session_id
         self.expected = expected
         self.actual = actual
+
+    def trailing_metadata(self) -> list[tuple[str, str]]:
+        # The latest epoch lets a pipelining coordinator resynchronise without another call.
+        return [("specdec-latest-epoch", str(self.actual))]
+
+
+class ServiceUnavailable(SpecDecError):
+    """A draft or target service did not answer: unreachable, shutting down or past the call's
+    deadline (gRPC UNAVAILABLE / DEADLINE_EXCEEDED, raised by the clients). The session may be
+    intact there; the caller retries, fails over to another replica or decodes without the draft."""

@@ -37,6 +37,7 @@ STATUS_BY_ERROR: Mapping[type[BaseException], grpc.StatusCode] = MappingProxyTyp
         errors.PositionMismatch: grpc.StatusCode.FAILED_PRECONDITION,
         errors.CacheFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
         errors.IncompatibleModels: grpc.StatusCode.FAILED_PRECONDITION,
+        errors.EpochMismatch: grpc.StatusCode.FAILED_PRECONDITION,
     }
 )
 
