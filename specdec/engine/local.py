@@ -1,0 +1,69 @@
+"""In-process implementations of TargetAPI / DraftAPI: the engines called directly, no network.
+
+The gRPC clients implement the same protocols, so the speculative loop cannot tell them apart.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from specdec.engine.api import Proposal
+from specdec.engine.draft import DraftEngine
+from specdec.engine.target import TargetEngine
+from specdec.models.base import ModelInfo
+from specdec.sampling.params import SamplingParams
+from specdec.types import DraftBlock, VerifyOutcome
+
+
+class LocalTarget:
+    def __init__(self, engine: TargetEngine):
+        self.engine = engine
+
+    async def start_session(
+        self, session_id: str, token_ids: Sequence[int], params: SamplingParams, sample_first_token: bool = True
+    ) -> tuple[int, int | None]:
+        return self.engine.start_session(session_id, token_ids, params, sample_first_token)
+
+    async def verify(self, session_id: str, position: int, draft: DraftBlock, epoch: int = 0) -> VerifyOutcome:
+        return self.engine.verify(session_id, position, draft)
+
+    async def decode(
+        self, session_id: str, position: int, num_tokens: int, append_token_ids: Sequence[int] = ()
+    ) -> list[int]:
+        return self.engine.decode(session_id, position, num_tokens, append_token_ids)
+
+    async def truncate(self, session_id: str, position: int) -> int:
+        return self.engine.truncate(session_id, position)
+
+    async def end_session(self, session_id: str) -> bool:
+        return self.engine.end_session(session_id)
+
+    async def info(self) -> ModelInfo:
+        return self.engine.info
+
+
+class LocalDraft:
+    def __init__(self, engine: DraftEngine):
+        self.engine = engine
+
+    async def start_session(self, session_id: str, token_ids: Sequence[int], params: SamplingParams) -> None:
+        self.engine.start_session(session_id, token_ids, params)
+
+    async def propose(
+        self,
+        session_id: str,
+        keep_position: int,
+        append_token_ids: Sequence[int],
+        num_draft_tokens: int,
+        parent_epoch: int = 0,
+    ) -> Proposal:
+        return self.engine.propose(session_id, keep_position, append_token_ids, num_draft_tokens, parent_epoch)
+
+    async def truncate(self, session_id: str, position: int) -> int:
+        return self.engine.truncate(session_id, position)
+
+    async def end_session(self, session_id: str) -> bool:
+        return self.engine.end_session(session_id)
+
+    async def info(self) -> ModelInfo | None:
+        return self.engine.info

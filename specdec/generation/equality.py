@@ -1,0 +1,51 @@
+"""The equality rule shared by tests, benchmarks and the canary (ARCHITECTURE.md, "What identical
+means").
+
+Greedy speculative output must equal plain decoding token for token. In fp32 that is exact. In
+bf16/fp16 a multi-token verify and a one-token decode sum in different orders, so a near-tie between
+the top two tokens can flip: at the first divergence both tokens are re-scored with the target, and
+a logit gap below `tie_threshold` is a numerical tie (counted, reported), anything else a failure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+# Returns the target's logits [vocab] for the next token after the given prefix.
+NextLogits = Callable[[Sequence[int]], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class EqualityReport:
+    equal: bool  # identical token for token
+    tie: bool  # not identical, but the first divergence is a numerical tie
+    divergence: int | None  # index into the generated tokens of the first difference
+    logit_gap: float | None  # target logit gap between the two tokens at the divergence
+
+    @property
+    def passed(self) -> bool:
+        return self.equal or self.tie
+
+
+def compare_outputs(
+    prompt_ids: Sequence[int],
+    candidate: Sequence[int],
+    reference: Sequence[int],
+    next_logits: NextLogits | None = None,
+    tie_threshold: float = 0.0,
+) -> EqualityReport:
+    """Compare generated tokens (prompt excluded) of a candidate run against a reference run."""
+    divergence = next((i for i, (a, b) in enumerate(zip(candidate, reference)) if a != b), None)
+    if divergence is None:
+        if len(candidate) == len(reference):
+            return EqualityReport(True, False, None, None)
+        # One stopped earlier with the other agreeing up to there: a length difference, not a tie.
+        return EqualityReport(False, False, min(len(candidate), len(reference)), None)
+    if next_logits is None or tie_threshold <= 0.0:
+        return EqualityReport(False, False, divergence, None)
+    logits = next_logits(list(prompt_ids) + list(reference[:divergence])).float()
+    gap = abs(float(logits[candidate[divergence]] - logits[reference[divergence]]))
+    return EqualityReport(False, gap < tie_threshold, divergence, gap)

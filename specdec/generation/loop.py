@@ -1,0 +1,203 @@
+"""The speculative loop, written once against TargetAPI / DraftAPI (in-process or over gRPC).
+
+One cycle (Leviathan et al. 2023; Chen et al. 2023):
+  1. propose: the draft applies the last outcome (accept/rollback) and drafts k tokens
+  2. verify:  the target scores all k in one forward pass and commits accepted + recovered/bonus
+  3. stop:    EOS, a stop sequence or the budget inside the block cuts it; both caches roll back
+  4. emit:    the committed tokens go to the caller (the coordinator records them first)
+Without a draft, or while the draft is failing, the same loop decodes plainly on the target: the
+output is the same either way, only slower.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable, Sequence
+
+from specdec.engine.api import DraftAPI, TargetAPI
+from specdec.generation.stats import SpeculationStats
+from specdec.generation.stopping import FinishReason, StopChecker
+from specdec.sampling.params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+TokenSink = Callable[[list[int]], Awaitable[None]]
+
+
+@dataclass
+class LoopSettings:
+    num_draft_tokens: int = 4
+    retry_draft_after: int = 8  # plain cycles before speculation is tried again after a draft failure
+
+
+@dataclass
+class SessionCursor:
+    """What the loop knows of a session: the committed sequence and what the draft holds."""
+
+    session_id: str
+    params: SamplingParams
+    tokens: list[int]  # the committed sequence (prompt and everything generated)
+    max_context: int
+    draft_tokens: list[int] = field(default_factory=list)  # the draft's sequence as last reported
+    draft_committed: int = 0  # the draft's known-committed prefix length
+    draft_epoch: int = 0
+    draft_ready: bool = False  # the draft holds a session for this cursor
+
+    @property
+    def position(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    finish_reason: FinishReason
+    stats: SpeculationStats
+
+
+class SpeculativeLoop:
+    def __init__(self, target: TargetAPI, draft: DraftAPI | None, settings: LoopSettings | None = None):
+        self.target = target
+        self.draft = draft
+        self.settings = settings or LoopSettings()
+
+    async def run(self, cursor: SessionCursor, stop: StopChecker, emit: TokenSink) -> GenerationResult:
+        """Generate after the cursor's committed sequence until `stop` says so; emit every token
+        the moment it is committed (and kept)."""
+        stats = SpeculationStats()
+        generated: list[int] = []
+        plain_cycles_left = 0 if self.draft is not None else -1  # -1: never speculate
+        while True:
+            k = self._draft_length(cursor, stop)
+            new_tokens: list[int] | None = None
+            if plain_cycles_left == 0 and k > 0:
+                new_tokens = await self._speculate(cursor, k, stats)
+                if new_tokens is None:  # the draft failed: plain decoding, retry later
+                    stats.fallbacks += 1
+                    plain_cycles_left = self.settings.retry_draft_after
+            elif plain_cycles_left > 0:
+                plain_cycles_left -= 1
+            if new_tokens is None:
+                new_tokens = await self._decode(cursor, stats)
+            keep, reason = stop.check(new_tokens)
+            if keep < len(new_tokens):
+                del cursor.tokens[len(cursor.tokens) - len(new_tokens) + keep:]
+                await self.target.truncate(cursor.session_id, cursor.position)
+                new_tokens = new_tokens[:keep]
+            generated.extend(new_tokens)
+            await emit(new_tokens)
+            if reason is not None:
+                await self._settle_draft(cursor)
+                return GenerationResult(generated, reason, stats)
+
+    def _draft_length(self, cursor: SessionCursor, stop: StopChecker) -> int:
+        # Never draft past the budget or the context: a cycle commits up to k + 1 tokens.
+        room = cursor.max_context - cursor.position - 1
+        return max(0, min(self.settings.num_draft_tokens, stop.remaining - 1, room))
+
+    async def _speculate(self, cursor: SessionCursor, k: int, stats: SpeculationStats) -> list[int] | None:
+        started = time.perf_counter()
+        try:
+            proposal = await self._propose(cursor, k)
+        except Exception as exc:  # a failing draft never fails a request
+            log.warning("draft failed for session %s, decoding plainly: %s", cursor.session_id, exc)
+            cursor.draft_ready = False
+            return None
+        drafted_at = time.perf_counter()
+        stats.draft_seconds += drafted_at - started
+        outcome = await self.target.verify(cursor.session_id, cursor.position, proposal.block, proposal.epoch)
+        stats.verify_seconds += time.perf_counter() - drafted_at
+        stats.record(outcome)
+        new_tokens = proposal.block.token_ids[: outcome.num_accepted].tolist() + [outcome.next_token]
+        cursor.tokens.extend(new_tokens)
+        return new_tokens
+
+    async def _propose(self, cursor: SessionCursor, k: int):
+        if not cursor.draft_ready:
+            # (Re)open the draft's session from the committed sequence: first use, or after a
+            # failure when its state is unknown.
+            await self._forget_draft(cursor)
+            await self.draft.start_session(cursor.session_id, cursor.tokens, cursor.params)
+            cursor.draft_tokens = list(cursor.tokens)
+            cursor.draft_committed = cursor.position
+            cursor.draft_epoch = 0
+            cursor.draft_ready = True
+        keep = self._common_prefix(cursor)
+        proposal = await self.draft.propose(
+            cursor.session_id, keep, cursor.tokens[keep:], k, cursor.draft_epoch
+        )
+        cursor.draft_tokens = cursor.tokens + proposal.block.token_ids.tolist()
+        cursor.draft_committed = cursor.position
+        cursor.draft_epoch = proposal.epoch
+        return proposal
+
+    @staticmethod
+    def _common_prefix(cursor: SessionCursor) -> int:
+        """Accept/rollback point: the draft keeps its tokens up to where they match the committed
+        sequence (accepted drafts), and gets the rest appended (recovered/bonus, new turns)."""
+        keep = cursor.draft_committed
+        limit = min(len(cursor.draft_tokens), cursor.position)
+        while keep < limit and cursor.draft_tokens[keep] == cursor.tokens[keep]:
+            keep += 1
+        return keep
+
+    async def _decode(self, cursor: SessionCursor, stats: SpeculationStats) -> list[int]:
+        started = time.perf_counter()
+        new_tokens = await self.target.decode(cursor.session_id, cursor.position, 1)
+        stats.decode_seconds += time.perf_counter() - started
+        stats.decode_steps += 1
+        cursor.tokens.extend(new_tokens)
+        return new_tokens
+
+    async def _settle_draft(self, cursor: SessionCursor) -> None:
+        """Leave the draft holding only committed tokens (a prefix of the committed sequence), so
+        the next turn, or another coordinator, starts from a known state."""
+        if not cursor.draft_ready:
+            return
+        keep = self._common_prefix(cursor)
+        try:
+            await self.draft.truncate(cursor.session_id, keep)
+            cursor.draft_tokens = cursor.tokens[:keep]
+        except Exception as exc:
+            log.warning("draft truncate failed for session %s: %s", cursor.session_id, exc)
+            cursor.draft_ready = False
+
+    async def _forget_draft(self, cursor: SessionCursor) -> None:
+        try:
+            await self.draft.end_session(cursor.session_id)
+        except Exception:  # already gone, or the draft is down: start_session will tell
+            pass
+
+
+async def generate(
+    target: TargetAPI,
+    draft: DraftAPI | None,
+    session_id: str,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    stop: StopChecker,
+    emit: TokenSink,
+    settings: LoopSettings | None = None,
+) -> GenerationResult:
+    """One whole generation for a new session: prefill, first token, then the loop."""
+    cursor, first = await start_generation(target, session_id, prompt_ids, params)
+    keep, reason = stop.check([first])
+    await emit([first])
+    if reason is not None:
+        return GenerationResult([first], reason, SpeculationStats())
+    result = await SpeculativeLoop(target, draft, settings).run(cursor, stop, emit)
+    result.token_ids.insert(0, first)
+    return result
+
+
+async def start_generation(
+    target: TargetAPI, session_id: str, prompt_ids: Sequence[int], params: SamplingParams
+) -> tuple[SessionCursor, int]:
+    """Open the target session (prefill) and return a cursor and the first token."""
+    position, first = await target.start_session(session_id, prompt_ids, params, sample_first_token=True)
+    info = await target.info()
+    cursor = SessionCursor(session_id, params, list(prompt_ids) + [first], info.max_context)
+    assert cursor.position == position
+    return cursor, first

@@ -1,0 +1,70 @@
+"""Speculation statistics of one generation (and sums over many, for benchmarks)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from specdec.types import VerifyOutcome
+
+
+@dataclass
+class SpeculationStats:
+    cycles: int = 0  # verify calls
+    drafted: int = 0  # draft tokens sent to verification
+    accepted: int = 0
+    recovered: int = 0  # cycles that ended in a rejection
+    bonus: int = 0  # cycles where every drafted token was accepted
+    decode_steps: int = 0  # plain target steps (no draft, fallback, or k = 0)
+    fallbacks: int = 0  # cycles where the draft failed and plain decoding took over
+    drafted_by_position: list[int] = field(default_factory=list)  # [i]: drafts that had a token i
+    accepted_by_position: list[int] = field(default_factory=list)  # [i]: ... whose token i was accepted
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+    def record(self, outcome: VerifyOutcome) -> None:
+        self.cycles += 1
+        self.drafted += outcome.num_drafted
+        self.accepted += outcome.num_accepted
+        if outcome.num_drafted == 0:
+            pass
+        elif outcome.is_bonus:
+            self.bonus += 1
+        else:
+            self.recovered += 1
+        grow = outcome.num_drafted - len(self.drafted_by_position)
+        if grow > 0:
+            self.drafted_by_position.extend([0] * grow)
+            self.accepted_by_position.extend([0] * grow)
+        for i in range(outcome.num_drafted):
+            self.drafted_by_position[i] += 1
+            self.accepted_by_position[i] += int(i < outcome.num_accepted)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens committed per verify cycle (accepted + the recovered/bonus token)."""
+        return (self.accepted + self.cycles) / self.cycles if self.cycles else 0.0
+
+    def acceptance_by_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_by_position, self.drafted_by_position)]
+
+    def merge(self, other: "SpeculationStats") -> None:
+        for name in ("cycles", "drafted", "accepted", "recovered", "bonus", "decode_steps", "fallbacks",
+                     "draft_seconds", "verify_seconds", "decode_seconds"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for mine, theirs in ((self.drafted_by_position, other.drafted_by_position),
+                             (self.accepted_by_position, other.accepted_by_position)):
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for i, v in enumerate(theirs):
+                mine[i] += v
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["acceptance_rate"] = self.acceptance_rate
+        out["mean_accepted_length"] = self.mean_accepted_length
+        out["acceptance_by_position"] = self.acceptance_by_position()
+        return out

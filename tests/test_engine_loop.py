@@ -1,0 +1,182 @@
+"""The speculative loop over local engines on tiny random models: lossless, whatever the draft."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+import torch
+
+from specdec.engine.draft import DraftEngine
+from specdec.engine.local import LocalDraft, LocalTarget
+from specdec.engine.target import TargetEngine
+from specdec.generation.loop import LoopSettings, generate
+from specdec.generation.stopping import FinishReason, StopChecker
+from specdec.models.loader import load_model
+from specdec.proposers.draft_model import DraftModelProposer
+from specdec.proposers.ngram import NgramProposer
+from specdec.sampling.params import SamplingMode, SamplingParams
+from specdec.testing.tiny_models import make_tiny_model
+
+VOCAB = 256
+PROMPTS = [[1, 5, 9, 12, 5, 9], [3, 3, 3, 7, 200, 31, 44, 3, 3], [17]]
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    target = make_tiny_model(root / "target", variant="llama", vocab_size=VOCAB, seed=0)
+    other = make_tiny_model(root / "draft", variant="llama", vocab_size=VOCAB, seed=1)
+    return {"target": target, "random": other}
+
+
+def target_engine(path, num_slots=4) -> TargetEngine:
+    return TargetEngine(load_model(path, backend="native", num_slots=num_slots, max_context=256))
+
+
+def draft_engine(kind: str, dirs) -> DraftEngine | None:
+    if kind == "none":
+        return None
+    if kind == "ngram":
+        return DraftEngine(NgramProposer())
+    path = dirs["target"] if kind == "same" else dirs["random"]
+    return DraftEngine(DraftModelProposer(load_model(path, backend="native", num_slots=4, max_context=256)))
+
+
+def run(target: TargetEngine, draft: DraftEngine | None, prompt, params, max_new_tokens=40, k=4, eos=()):
+    emitted: list[int] = []
+
+    async def emit(tokens):
+        emitted.extend(tokens)
+
+    session_id = uuid.uuid4().hex
+    stop = StopChecker(max_new_tokens, eos)
+    result = asyncio.run(generate(LocalTarget(target), LocalDraft(draft) if draft else None, session_id,
+                                  prompt, params, stop, emit, LoopSettings(num_draft_tokens=k)))
+    assert emitted == result.token_ids
+    committed = target.committed_tokens(session_id)
+    assert committed == list(prompt) + result.token_ids  # the target holds exactly what was emitted
+    target.end_session(session_id)
+    if draft:
+        draft.end_session(session_id)
+    return result
+
+
+def hf_greedy(path, prompt, max_new_tokens):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, attention_mask=torch.ones_like(ids),
+                         pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("kind", ["random", "same", "ngram"])
+def test_greedy_equals_plain_decoding(tiny_dirs, kind):
+    target = target_engine(tiny_dirs["target"])
+    draft = draft_engine(kind, tiny_dirs)
+    greedy = SamplingParams()
+    for prompt in PROMPTS:
+        plain = run(target, None, prompt, greedy)
+        for k in (1, 3, 5):
+            spec = run(target, draft, prompt, greedy, k=k)
+            assert spec.token_ids == plain.token_ids, (kind, prompt, k)
+            assert spec.stats.cycles > 0
+            if kind == "same":
+                assert spec.stats.acceptance_rate == 1.0
+
+
+def test_plain_decoding_equals_transformers_greedy(tiny_dirs):
+    target = target_engine(tiny_dirs["target"])
+    for prompt in PROMPTS:
+        plain = run(target, None, prompt, SamplingParams(), max_new_tokens=24)
+        assert plain.token_ids == hf_greedy(tiny_dirs["target"], prompt, 24)
+
+
+@pytest.mark.parametrize("kind", ["random", "same", "ngram"])
+def test_gumbel_sampling_equals_plain_sampling_token_for_token(tiny_dirs, kind):
+    target = target_engine(tiny_dirs["target"])
+    draft = draft_engine(kind, tiny_dirs)
+    for seed in (0, 1, 2):
+        params = SamplingParams(temperature=1.0, top_p=0.95, seed=seed, mode=SamplingMode.GUMBEL)
+        plain = run(target, None, PROMPTS[0], params)
+        spec = run(target, draft, PROMPTS[0], params)
+        assert spec.token_ids == plain.token_ids
+
+
+def test_rejection_sampling_is_reproducible_under_a_seed(tiny_dirs):
+    target = target_engine(tiny_dirs["target"])
+    draft = draft_engine("random", tiny_dirs)
+    params = SamplingParams(temperature=0.8, top_k=50, seed=7)
+    first = run(target, draft, PROMPTS[1], params)
+    second = run(target, draft, PROMPTS[1], params)
+    assert first.token_ids == second.token_ids
+    other = run(target, draft, PROMPTS[1], SamplingParams(temperature=0.8, top_k=50, seed=8))
+    assert other.token_ids != first.token_ids
+
+
+def test_eos_inside_an_accepted_block_ends_the_output_there(tiny_dirs):
+    target = target_engine(tiny_dirs["target"])
+    draft = draft_engine("same", tiny_dirs)  # accepts everything, so EOS lands inside a block
+    plain = run(target, None, PROMPTS[0], SamplingParams(), max_new_tokens=30)
+    eos = plain.token_ids[7]
+    cut = plain.token_ids.index(eos) + 1
+    spec = run(target, draft, PROMPTS[0], SamplingParams(), max_new_tokens=30, k=5, eos=[eos])
+    assert spec.finish_reason is FinishReason.EOS
+    assert spec.token_ids == plain.token_ids[:cut]
+
+
+def test_max_new_tokens_is_exact(tiny_dirs):
+    target = target_engine(tiny_dirs["target"])
+    draft = draft_engine("same", tiny_dirs)
+    for budget in (1, 2, 5, 13):
+        spec = run(target, draft, PROMPTS[0], SamplingParams(), max_new_tokens=budget, k=4)
+        assert len(spec.token_ids) == budget
+        assert spec.finish_reason is FinishReason.LENGTH
+
+
+class FlakyDraft(LocalDraft):
+    """A draft that fails every third call: the output must not change."""
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.calls = 0
+
+    async def propose(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls % 3 == 0:
+            raise ConnectionError("draft replica went away")
+        return await super().propose(*args, **kwargs)
+
+
+def test_failing_draft_falls_back_to_plain_decoding(tiny_dirs):
+    target = target_engine(tiny_dirs["target"])
+    plain = run(target, None, PROMPTS[0], SamplingParams(), max_new_tokens=40)
+    engine = draft_engine("same", tiny_dirs)
+    flaky = FlakyDraft(engine)
+    emitted: list[int] = []
+
+    async def emit(tokens):
+        emitted.extend(tokens)
+
+    result = asyncio.run(generate(LocalTarget(target), flaky, "s", PROMPTS[0], SamplingParams(),
+                                  StopChecker(40), emit, LoopSettings(num_draft_tokens=3, retry_draft_after=2)))
+    assert result.token_ids == plain.token_ids
+    assert result.stats.fallbacks >= 2 and result.stats.decode_steps > 0 and result.stats.cycles > 0
+
+
+def test_sessions_survive_cache_eviction(tiny_dirs):
+    """Two slots, three interleaved sessions: evicted sessions re-feed their tokens, same output."""
+    target = target_engine(tiny_dirs["target"], num_slots=2)
+    reference = [run(target_engine(tiny_dirs["target"]), None, p, SamplingParams(), 12).token_ids for p in PROMPTS]
+    for i, prompt in enumerate(PROMPTS):
+        target.start_session(f"s{i}", prompt, SamplingParams())
+    outputs = {i: [target.committed_tokens(f"s{i}")[-1]] for i in range(3)}
+    for _ in range(11):
+        for i, prompt in enumerate(PROMPTS):
+            position = len(prompt) + len(outputs[i])
+            outputs[i] += target.decode(f"s{i}", position, 1)
+    assert [outputs[i] for i in range(3)] == reference
+    assert target.evictions > 0
