@@ -1,0 +1,238 @@
+"""Native Llama-family backend (Llama 2/3, Mistral without sliding window, Qwen2, SmolLM).
+
+One forward serves any mix of rows: a prefill, a one-token decode and a (k+1)-token verify of different
+sessions go through the layers together. Rows are right-padded to the longest; each token's position is
+its slot's length plus its offset in the row. Every layer writes the new keys/values into the slots
+first and then attends over each slot's prefix under a mask "key position <= query position", which is
+causal inside the new tokens, full over the cached prefix and blind past the row's own length. Padded
+tokens get the position of their row's last real token (so their attention is well defined) and write
+their keys/values into the cache's scratch column, which no mask ever admits.
+
+Activations are kept 2-D, [tokens, hidden], so every projection is one matmul and residual adds fuse
+into addmm. Only the rows whose logits were asked for go through the final norm and the lm_head: with a
+49k vocabulary the lm_head is the largest single matmul of a small model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from specdec.errors import InvalidArgument
+from specdec.models.base import ModelInfo
+from specdec.models.kv_cache import SlotKVCache
+from specdec.models.llama_config import LlamaConfig
+from specdec.models.llama_weights import LayerWeights, load_weights
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class _Batch:
+    """Index tensors describing one batched forward; built once, used by every layer."""
+
+    num_rows: int
+    width: int  # padded tokens per row (T)
+    key_len: int  # keys attended per row: the longest row's new length (L)
+    tokens: torch.Tensor  # [B * T] token ids, pads are 0
+    cos: torch.Tensor  # [B * T, 1, head_dim]
+    sin: torch.Tensor  # [B * T, 1, head_dim], sign of rotate-half folded in
+    write_index: torch.Tensor  # [B * T * kv_heads] flat index into a layer's [slots*kv_heads*(ctx+1), D]
+    slot_index: torch.Tensor | None  # [B] slots to gather; None when the rows are a contiguous slot range
+    first_slot: int
+    mask: torch.Tensor | None  # [B, 1, T, L] bool, True = attend; None when nothing needs masking
+    is_causal: bool  # a single fresh prefill: SDPA's own causal mask is exact
+    logit_rows: torch.Tensor  # [N] flat token indices whose logits are returned
+    num_logits: list[int]
+
+
+class LlamaModel:
+    """The CausalLM protocol (specdec.models.base) over a native Llama-family forward."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        device: str = "cpu",
+        dtype: str = "float32",
+        num_slots: int | None = 8,
+        max_context: int | None = None,
+        kv_budget_bytes: int | None = None,
+        name: str | None = None,
+    ):
+        if dtype not in DTYPES:
+            raise InvalidArgument(f"dtype {dtype!r} is not supported; choose one of {sorted(DTYPES)}")
+        path = Path(path)
+        self.config = cfg = LlamaConfig.load(path)
+        max_context = max_context or default_max_context(cfg.max_position_embeddings)
+        cfg.check_context(max_context)
+        self.device = torch.device(device)
+        self.dtype = DTYPES[dtype]
+        self.weights = load_weights(path, cfg, self.dtype, self.device)
+        self.cache = SlotKVCache(
+            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_context,
+            num_slots=None if kv_budget_bytes else num_slots, budget_bytes=kv_budget_bytes,
+            dtype=self.dtype, device=self.device,
+        )
+        self._cos, self._sin = _rope_tables(cfg, max_context + 1, self.dtype, self.device)
+        self.info = ModelInfo(
+            name=name or str(path), architecture=cfg.architecture, vocab_size=cfg.vocab_size,
+            max_context=max_context, dtype=dtype, device=str(self.device), backend="native",
+        )
+
+    # Slots: the cache does the bookkeeping -----------------------------------------------------------
+
+    @property
+    def num_slots(self) -> int:
+        return self.cache.num_slots
+
+    @property
+    def num_free_slots(self) -> int:
+        return self.cache.num_free_slots
+
+    def allocate(self) -> int:
+        return self.cache.allocate()
+
+    def free(self, slot: int) -> None:
+        self.cache.free(slot)
+
+    def length(self, slot: int) -> int:
+        return self.cache.length(slot)
+
+    def truncate(self, slot: int, length: int) -> None:
+        self.cache.truncate(slot, length)
+
+    @torch.inference_mode()
+    def fork(self, src: int, dst: int, length: int) -> None:
+        self.cache.fork(src, dst, length)
+
+    # Forward -----------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        slots: Sequence[int],
+        token_ids: Sequence[Sequence[int]],
+        num_logits: Sequence[int] | None = None,
+    ) -> list[torch.Tensor]:
+        lengths = [len(row) for row in token_ids]
+        if num_logits is None:
+            num_logits = lengths
+        batch = self._plan(list(slots), token_ids, lengths, list(num_logits))
+        x = F.embedding(batch.tokens, self.weights.embed)  # [B * T, hidden]
+        for index, layer in enumerate(self.weights.layers):
+            x = self._attention(x, layer, index, batch)
+            x = self._mlp(x, layer)
+        h = _rms_norm(x.index_select(0, batch.logit_rows), self.weights.final_norm, self.config.rms_norm_eps)
+        logits = torch.mm(h, self.weights.lm_head).float()  # [N, vocab]
+        self.cache.advance(slots, lengths)
+        return list(logits.split(batch.num_logits))
+
+    def _attention(self, x: torch.Tensor, w: LayerWeights, index: int, b: _Batch) -> torch.Tensor:
+        cfg = self.config
+        heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        h = _rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
+        qkv = torch.addmm(w.bqkv, h, w.wqkv) if w.bqkv is not None else torch.mm(h, w.wqkv)
+        qkv = qkv.view(-1, heads + 2 * kv_heads, head_dim)  # [B * T, H + 2 KV, D]
+        # RoPE on q and k in one go; rotate_half(x) = roll(x, D/2) with the sign folded into sin.
+        qk = qkv[:, : heads + kv_heads]
+        qk = qk * b.cos + qk.roll(head_dim // 2, dims=-1) * b.sin  # [B * T, H + KV, D]
+        keys, values = self.cache.layer(index)  # [slots, KV, ctx + 1, D]
+        keys.view(-1, head_dim).index_copy_(0, b.write_index, qk[:, heads:].reshape(-1, head_dim))
+        values.view(-1, head_dim).index_copy_(0, b.write_index, qkv[:, heads + kv_heads :].reshape(-1, head_dim))
+        keys, values = _gather(keys, b), _gather(values, b)  # [B, KV, L, D]
+        q = qk[:, :heads].view(b.num_rows, b.width, heads, head_dim).transpose(1, 2)  # [B, H, T, D]
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=b.mask, is_causal=b.is_causal, enable_gqa=heads != kv_heads
+        )  # [B, H, T, D]
+        out = out.transpose(1, 2).reshape(-1, heads * head_dim)  # [B * T, H * D]
+        x = torch.addmm(x, out, w.wo)
+        return x if w.bo is None else x + w.bo
+
+    def _mlp(self, x: torch.Tensor, w: LayerWeights) -> torch.Tensor:
+        h = _rms_norm(x, w.mlp_norm, self.config.rms_norm_eps)
+        gate_up = torch.addmm(w.b_gate_up, h, w.w_gate_up) if w.b_gate_up is not None else torch.mm(h, w.w_gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)  # [B * T, I] each
+        x = torch.addmm(x, F.silu(gate) * up, w.w_down)  # SwiGLU, residual fused
+        return x if w.b_down is None else x + w.b_down
+
+    def _plan(
+        self, slots: list[int], rows: Sequence[Sequence[int]], lengths: list[int], num_logits: list[int]
+    ) -> _Batch:
+        if not rows or len(slots) != len(rows) or len(num_logits) != len(rows):
+            raise InvalidArgument(
+                f"slots, token_ids and num_logits must be non-empty and of equal length; got "
+                f"{len(slots)}, {len(rows)}, {len(num_logits)}"
+            )
+        for row, n, k in zip(rows, lengths, num_logits):
+            if n == 0 or not 0 <= k <= n:
+                raise InvalidArgument(f"each row needs >= 1 token and 0 <= num_logits <= its length; got {n}, {k}")
+            if min(row) < 0 or max(row) >= self.config.vocab_size:
+                raise InvalidArgument(f"token ids must be in 0..{self.config.vocab_size - 1}")
+        starts = self.cache.check_append(slots, lengths)
+        B, T = len(rows), max(lengths)
+        ctx = self.cache.max_context
+        kv_heads = self.config.num_kv_heads
+        tokens = torch.zeros(B, T, dtype=torch.long)
+        positions = torch.empty(B, T, dtype=torch.long)  # rope / mask position of every token
+        write_pos = torch.full((B, T), ctx, dtype=torch.long)  # cache column; pads -> scratch column
+        logit_rows: list[int] = []
+        for i, (row, start, n, k) in enumerate(zip(rows, starts, lengths, num_logits)):
+            tokens[i, :n] = torch.tensor(row, dtype=torch.long)
+            positions[i] = torch.arange(start, start + T).clamp_(max=start + n - 1)
+            write_pos[i, :n] = positions[i, :n]
+            logit_rows.extend(range(i * T + n - k, i * T + n))
+        slot_t = torch.tensor(slots, dtype=torch.long)
+        heads_t = torch.arange(kv_heads)
+        # Flat index of (slot, kv_head, column) in a layer's [slots, KV, ctx + 1, D] viewed as [-1, D].
+        write_index = (slot_t[:, None, None] * kv_heads + heads_t) * (ctx + 1) + write_pos[:, :, None]
+        key_len = max(s + n for s, n in zip(starts, lengths))
+        single_decode = B == 1 and T == 1
+        fresh_prefill = B == 1 and starts[0] == 0
+        mask = None
+        if not (single_decode or fresh_prefill):
+            mask = (torch.arange(key_len) <= positions[:, :, None])[:, None]  # [B, 1, T, L]
+        contiguous = slots == list(range(slots[0], slots[0] + B))
+        dev = self.device
+        flat_pos = positions.view(-1).to(dev)
+        return _Batch(
+            num_rows=B, width=T, key_len=key_len, tokens=tokens.view(-1).to(dev),
+            cos=self._cos[flat_pos][:, None], sin=self._sin[flat_pos][:, None],
+            write_index=write_index.view(-1).to(dev), slot_index=None if contiguous else slot_t.to(dev),
+            first_slot=slots[0], mask=None if mask is None else mask.to(dev),
+            is_causal=fresh_prefill and T > 1, logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=dev),
+            num_logits=num_logits,
+        )
+
+
+def default_max_context(max_position_embeddings: int) -> int:
+    """Tokens per slot when the caller names none: the model's limit, capped so 8 slots fit in memory."""
+    return min(max_position_embeddings, 2048)
+
+
+def _gather(cache: torch.Tensor, b: _Batch) -> torch.Tensor:
+    """The first key_len columns of the batch's slots: [B, KV, L, D] (a view when the slots are a range)."""
+    head = cache[:, :, : b.key_len]
+    if b.slot_index is None:
+        return head[b.first_slot : b.first_slot + b.num_rows]
+    return head.index_select(0, b.slot_index)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalise in float32 and cast back before the weight, the order transformers uses, so half
+    # precision rounds the same way.
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype) * weight
+
+
+def _rope_tables(cfg: LlamaConfig, length: int, dtype: torch.dtype, device: torch.device):
+    """cos and sign-folded sin for positions 0..length-1: [length, head_dim] each."""
+    inv_freq = cfg.rope_inv_freq()  # [D / 2], float32
+    freqs = torch.arange(length, dtype=torch.float32)[:, None] * inv_freq  # [length, D / 2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    half = cfg.head_dim // 2
+    # rotate_half(x) = cat(-x2, x1) = roll(x, half) * [-1] * half + [1] * half
+    sign = torch.cat((-torch.ones(half), torch.ones(half)))
+    return emb.cos().to(dtype).to(device), (emb.sin() * sign).to(dtype).to(device)

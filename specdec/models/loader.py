@@ -1,0 +1,60 @@
+"""Pick and build a model backend for a local Hugging Face directory.
+
+Names of registry models are turned into directories by specdec.models.registry.resolve_model; this
+module only takes directories, so it never touches the network.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from specdec.errors import InvalidArgument
+from specdec.models.base import CausalLM
+from specdec.models.llama_config import LlamaConfig, UnsupportedModel
+
+BACKENDS = ("native", "hf", "auto")
+
+
+def native_support(path: str | Path) -> str | None:
+    """None when the native backend runs this model exactly, else the reason it does not."""
+    try:
+        LlamaConfig.load(path)
+    except UnsupportedModel as e:
+        return str(e)
+    return None
+
+
+def load_model(
+    path: str | Path,
+    backend: str = "native",
+    device: str = "cpu",
+    dtype: str = "float32",
+    num_slots: int = 8,
+    max_context: int | None = None,
+    kv_budget_bytes: int | None = None,
+    name: str | None = None,
+) -> CausalLM:
+    """Load the model in directory `path` with `backend` ("native", "hf", or "auto": native if supported).
+
+    max_context None means the model's limit capped at 2048 tokens per slot. kv_budget_bytes (native
+    only) sizes the slot pool from a memory budget instead of num_slots.
+    """
+    path = Path(path)
+    if backend not in BACKENDS:
+        raise InvalidArgument(f"backend {backend!r} is unknown; choose one of {BACKENDS}")
+    if not (path / "config.json").is_file():
+        raise InvalidArgument(f"{path} is not a Hugging Face model directory (no config.json)")
+    if backend == "auto":
+        backend = "native" if native_support(path) is None else "hf"
+    if backend == "native":
+        from specdec.models.llama import LlamaModel
+
+        return LlamaModel(
+            path, device=device, dtype=dtype, num_slots=num_slots, max_context=max_context,
+            kv_budget_bytes=kv_budget_bytes, name=name,
+        )
+    if kv_budget_bytes is not None:
+        raise InvalidArgument("kv_budget_bytes is supported by the native backend only; give num_slots")
+    from specdec.models.hf_backend import HFModel
+
+    return HFModel(path, device=device, dtype=dtype, num_slots=num_slots, max_context=max_context, name=name)
