@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from specdec.errors import InvalidArgument
 from specdec.models.base import ModelInfo
 from specdec.models.kv_cache import SlotKVCache
+from specdec.models.linear_kernels import choose_linear
 from specdec.models.llama_config import LlamaConfig
 from specdec.models.llama_weights import LayerWeights, load_weights
 
@@ -62,6 +63,7 @@ class LlamaModel:
         max_context: int | None = None,
         kv_budget_bytes: int | None = None,
         name: str | None = None,
+        linear_kernel: str = "auto",
     ):
         if dtype not in DTYPES:
             raise InvalidArgument(f"dtype {dtype!r} is not supported; choose one of {sorted(DTYPES)}")
@@ -71,7 +73,8 @@ class LlamaModel:
         cfg.check_context(max_context)
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
-        self.weights = load_weights(path, cfg, self.dtype, self.device)
+        self.linear = choose_linear(self.device, self.dtype, linear_kernel)
+        self.weights = load_weights(path, cfg, self.dtype, self.device, self.linear)
         self.cache = SlotKVCache(
             cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_context,
             num_slots=None if kv_budget_bytes else num_slots, budget_bytes=kv_budget_bytes,
@@ -127,7 +130,7 @@ class LlamaModel:
             x = self._attention(x, layer, index, batch)
             x = self._mlp(x, layer)
         h = _rms_norm(x.index_select(0, batch.logit_rows), self.weights.final_norm, self.config.rms_norm_eps)
-        logits = torch.mm(h, self.weights.lm_head).float()  # [N, vocab]
+        logits = self.linear(h, self.weights.lm_head).float()  # [N, vocab]
         self.cache.advance(slots, lengths)
         return list(logits.split(batch.num_logits))
 
@@ -135,8 +138,7 @@ class LlamaModel:
         cfg = self.config
         heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h = _rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
-        qkv = torch.addmm(w.bqkv, h, w.wqkv) if w.bqkv is not None else torch.mm(h, w.wqkv)
-        qkv = qkv.view(-1, heads + 2 * kv_heads, head_dim)  # [B * T, H + 2 KV, D]
+        qkv = self.linear(h, w.wqkv, w.bqkv).view(-1, heads + 2 * kv_heads, head_dim)  # [B * T, H + 2 KV, D]
         # RoPE on q and k in one go; rotate_half(x) = roll(x, D/2) with the sign folded into sin.
         qk = qkv[:, : heads + kv_heads]
         qk = qk * b.cos + qk.roll(head_dim // 2, dims=-1) * b.sin  # [B * T, H + KV, D]
@@ -149,14 +151,14 @@ class LlamaModel:
             q, keys, values, attn_mask=b.mask, is_causal=b.is_causal, enable_gqa=heads != kv_heads
         )  # [B, H, T, D]
         out = out.transpose(1, 2).reshape(-1, heads * head_dim)  # [B * T, H * D]
-        x = torch.addmm(x, out, w.wo)
+        x = self.linear.add(x, out, w.wo)  # residual fused
         return x if w.bo is None else x + w.bo
 
     def _mlp(self, x: torch.Tensor, w: LayerWeights) -> torch.Tensor:
         h = _rms_norm(x, w.mlp_norm, self.config.rms_norm_eps)
-        gate_up = torch.addmm(w.b_gate_up, h, w.w_gate_up) if w.b_gate_up is not None else torch.mm(h, w.w_gate_up)
+        gate_up = self.linear(h, w.w_gate_up, w.b_gate_up)
         gate, up = gate_up.chunk(2, dim=-1)  # [B * T, I] each
-        x = torch.addmm(x, F.silu(gate) * up, w.w_down)  # SwiGLU, residual fused
+        x = self.linear.add(x, F.silu(gate) * up, w.w_down)  # SwiGLU, residual fused
         return x if w.b_down is None else x + w.b_down
 
     def _plan(

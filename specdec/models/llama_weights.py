@@ -1,9 +1,8 @@
 """Read a Hugging Face Llama-family checkpoint (safetensors, single file or sharded) into fused tensors.
 
-The native forward multiplies activations by weights stored transposed, [in, out] contiguous, because on
-CPU `x @ w` with that layout runs a decode step's matrix-vector products markedly faster than
-`F.linear(x, w)` with HF's [out, in] layout (measured on the project's 2-core machine). q/k/v are fused
-into one matrix and gate/up into another: fewer, larger matmuls mean fewer kernel launches per layer.
+q/k/v are fused into one matrix and gate/up into another: fewer, larger matmuls mean fewer kernel
+launches per layer. Each matrix is then handed to the linear kernel's `prepare` (linear_kernels.py),
+which stores it in whatever layout that kernel streams fastest; the comments give the logical shape.
 """
 
 from __future__ import annotations
@@ -16,27 +15,28 @@ import torch
 from safetensors import safe_open
 
 from specdec.errors import InvalidArgument
+from specdec.models.linear_kernels import DenseLinear, OneDnnLinear
 from specdec.models.llama_config import LlamaConfig
 
 
 @dataclass
 class LayerWeights:
     attn_norm: torch.Tensor  # [hidden]
-    wqkv: torch.Tensor  # [hidden, (heads + 2 * kv_heads) * head_dim]
+    wqkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
     bqkv: torch.Tensor | None  # [(heads + 2 * kv_heads) * head_dim]
-    wo: torch.Tensor  # [heads * head_dim, hidden]
+    wo: torch.Tensor  # [hidden, heads * head_dim]
     bo: torch.Tensor | None  # [hidden]
     mlp_norm: torch.Tensor  # [hidden]
-    w_gate_up: torch.Tensor  # [hidden, 2 * intermediate]
+    w_gate_up: torch.Tensor  # [2 * intermediate, hidden]
     b_gate_up: torch.Tensor | None  # [2 * intermediate]
-    w_down: torch.Tensor  # [intermediate, hidden]
+    w_down: torch.Tensor  # [hidden, intermediate]
     b_down: torch.Tensor | None  # [hidden]
 
 
 @dataclass
 class LlamaWeights:
     embed: torch.Tensor  # [vocab, hidden] (row lookup)
-    lm_head: torch.Tensor  # [hidden, vocab] (transposed; a copy of embed when tied)
+    lm_head: torch.Tensor  # [vocab, hidden] (prepared separately from embed even when tied)
     final_norm: torch.Tensor  # [hidden]
     layers: list[LayerWeights]
 
@@ -69,11 +69,13 @@ class _Reader:
             raise InvalidArgument(f"checkpoint lacks tensor {name!r}")
         return self._where[name].get_tensor(name).to(self.dtype)
 
-    def place(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
-        return None if tensor is None else tensor.contiguous().to(self.device)
+    def place(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.contiguous().to(self.device)
 
 
-def load_weights(directory: Path, cfg: LlamaConfig, dtype: torch.dtype, device: torch.device) -> LlamaWeights:
+def load_weights(
+    directory: Path, cfg: LlamaConfig, dtype: torch.dtype, device: torch.device, linear: DenseLinear | OneDnnLinear
+) -> LlamaWeights:
     r = _Reader(directory, dtype, device)
     embed = r.get("model.embed_tokens.weight")  # [vocab, hidden]
     if cfg.tie_word_embeddings or not r.has("lm_head.weight"):
@@ -82,27 +84,26 @@ def load_weights(directory: Path, cfg: LlamaConfig, dtype: torch.dtype, device: 
         lm_head = embed
     else:
         lm_head = r.get("lm_head.weight")
-    layers = [_load_layer(r, cfg, i) for i in range(cfg.num_layers)]
     return LlamaWeights(
-        embed=r.place(embed), lm_head=r.place(lm_head.t()), final_norm=r.place(r.get("model.norm.weight")),
-        layers=layers,
+        embed=r.place(embed), lm_head=linear.prepare(r.place(lm_head)),
+        final_norm=r.place(r.get("model.norm.weight")), layers=[_load_layer(r, cfg, i, linear) for i in range(cfg.num_layers)],
     )
 
 
-def _load_layer(r: _Reader, cfg: LlamaConfig, i: int) -> LayerWeights:
+def _load_layer(r: _Reader, cfg: LlamaConfig, i: int, linear: DenseLinear | OneDnnLinear) -> LayerWeights:
     p = f"model.layers.{i}."
     qkv = [r.get(f"{p}self_attn.{n}_proj.weight") for n in "qkv"]  # each [out, hidden]
     gate_up = [r.get(f"{p}mlp.gate_proj.weight"), r.get(f"{p}mlp.up_proj.weight")]
     return LayerWeights(
         attn_norm=r.place(r.get(f"{p}input_layernorm.weight")),
-        wqkv=r.place(torch.cat(qkv).t()),
+        wqkv=linear.prepare(r.place(torch.cat(qkv))),
         bqkv=_bias(r, [f"{p}self_attn.{n}_proj.bias" for n in "qkv"], cfg.qkv_bias),
-        wo=r.place(r.get(f"{p}self_attn.o_proj.weight").t()),
+        wo=linear.prepare(r.place(r.get(f"{p}self_attn.o_proj.weight"))),
         bo=_bias(r, [f"{p}self_attn.o_proj.bias"], cfg.o_bias),
         mlp_norm=r.place(r.get(f"{p}post_attention_layernorm.weight")),
-        w_gate_up=r.place(torch.cat(gate_up).t()),
+        w_gate_up=linear.prepare(r.place(torch.cat(gate_up))),
         b_gate_up=_bias(r, [f"{p}mlp.gate_proj.bias", f"{p}mlp.up_proj.bias"], cfg.mlp_bias),
-        w_down=r.place(r.get(f"{p}mlp.down_proj.weight").t()),
+        w_down=linear.prepare(r.place(r.get(f"{p}mlp.down_proj.weight"))),
         b_down=_bias(r, [f"{p}mlp.down_proj.bias"], cfg.mlp_bias),
     )
 

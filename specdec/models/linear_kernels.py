@@ -1,0 +1,73 @@
+"""How the native backend multiplies activations by weights: the one choice that decides CPU speed.
+
+A small model's forward is almost all matrix products of a few activation rows (1 for a decode step,
+k+1 for a verify) by large weights, so it runs at memory bandwidth only if the kernel streams the weight
+once whatever the row count. Measured on the project's 2-core AMD EPYC machine (fp32, SmolLM2-135M's
+30 layers of weights): torch.mm / F.linear (MKL sgemm) took 26-36 ms for 1 row but 50-70 ms for 5-9
+rows, while oneDNN's linear on a weight prepacked once at load took about 15-21 ms for 1 to 9 rows.
+So on CPU the weights are prepacked for oneDNN when that operator exists; elsewhere (CUDA, fp16 on CPU,
+a torch build without oneDNN) a plain matmul on the transposed weight is used.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class DenseLinear:
+    """y = x @ w.T with w kept transposed and contiguous ([in, out]); residual adds fuse into addmm."""
+
+    name = "dense"
+
+    def prepare(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight.t().contiguous()  # [out, in] -> [in, out]
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.mm(x, w) if bias is None else torch.addmm(bias, x, w)
+
+    def add(self, residual: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """residual + x @ w.T in one kernel."""
+        return torch.addmm(residual, x, w)
+
+
+class OneDnnLinear:
+    """oneDNN linear on weights reordered once into its blocked layout (what torch.compile's CPU
+    freezing pass does); the residual add rides along as a fused binary post-op."""
+
+    name = "onednn"
+
+    def prepare(self, weight: torch.Tensor) -> torch.Tensor:
+        # The batch-size hint only picks a layout; the packed weight serves any number of rows.
+        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+
+    def add(self, residual: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, w, None, "add")
+
+
+def choose_linear(device: torch.device, dtype: torch.dtype, prefer: str = "auto") -> DenseLinear | OneDnnLinear:
+    """The kernel for this device and dtype ("auto"), or the one named by `prefer` ("dense" | "onednn")."""
+    if prefer == "dense":
+        return DenseLinear()
+    usable = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and _onednn_works(dtype)
+    if prefer == "onednn" and not usable:
+        raise ValueError(f"the oneDNN linear is not usable here ({device}, {dtype}); use 'dense' or 'auto'")
+    return OneDnnLinear() if usable else DenseLinear()
+
+
+def _onednn_works(dtype: torch.dtype) -> bool:
+    # The operators are private to torch; check that they exist and compute the right thing here.
+    try:
+        if not torch.backends.mkldnn.is_available():
+            return False
+        with torch.inference_mode():
+            weight = torch.arange(12.0).reshape(3, 4).to(dtype)
+            x = torch.ones(2, 4, dtype=dtype)
+            kernel = OneDnnLinear()
+            packed = kernel.prepare(weight)
+            ok = torch.equal(kernel(x, packed).float(), (x.float() @ weight.float().t()))
+            return ok and torch.equal(kernel.add(x[:, :3], x, packed).float(), 1 + x.float() @ weight.float().t())
+    except (RuntimeError, AttributeError):
+        return False
