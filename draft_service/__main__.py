@@ -1,0 +1,5 @@
+import sys
+
+from draft_service.main import main
+
+sys.exit(main())

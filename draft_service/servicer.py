@@ -1,0 +1,253 @@
+"""DraftService over gRPC: a thin translator between specdec.v1 messages and the DraftEngine.
+
+Engine calls run on the ModelExecutor (one thread: the engine and a draft model are thread-confined;
+the event loop stays free for health checks). Domain errors go to the error-mapping interceptor of
+specdec.server. A Propose whose parent epoch or keep position does not fit the session is answered
+here, as FAILED_PRECONDITION with trailing metadata "specdec-actual-position" (the length of the
+draft's whole sequence, drafted tokens included) and "specdec-latest-epoch" (its newest proposal),
+as draft.proto specifies; the session is left as it was.
+
+Pipelining: this build drafts sequentially. A proposal's parent is the session's latest epoch, the
+only live one; `speculative=true` (draft the next block while the parent is being verified) is
+refused with UNIMPLEMENTED "pipelined drafting is not enabled in this build" until the engine grows
+speculative branches (a later issue), so guessed_token_id is never set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import grpc
+from opentelemetry import trace
+
+from specdec.engine.api import Proposal
+from specdec.engine.draft import DraftEngine
+from specdec.errors import (
+    ContextOverflow,
+    EpochMismatch,
+    InvalidArgument,
+    PositionMismatch,
+    SessionExists,
+    SessionNotFound,
+)
+from specdec.models.base import ModelInfo
+from specdec.observability.metrics import DraftMetrics
+from specdec.observability.spans import SPECDEC_NUM_DRAFT_TOKENS, SPECDEC_POSITION
+from specdec.rpc import ACTUAL_POSITION_KEY, LATEST_EPOCH_KEY, draft_pb2, draft_pb2_grpc
+from specdec.rpc_convert import model_info_to_proto, pack_distributions, sampling_params_from_proto
+from specdec.server.bootstrap import ModelExecutor
+
+log = logging.getLogger(__name__)
+
+DRAFT_SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
+SPECDEC_SESSION_ID = "specdec.session_id"
+MAX_SESSION_ID_LENGTH = 256
+PIPELINING_DISABLED = (
+    "pipelined drafting is not enabled in this build: send speculative=false (sequential drafting)"
+)
+
+
+@dataclass(frozen=True)
+class DraftServiceConfig:
+    """What the servicer reports and enforces, fixed when the service starts."""
+
+    model: ModelInfo  # the draft model, or the tokenizer's facts for a proposer without weights
+    vocab_fingerprint: str = ""
+    eos_token_ids: tuple[int, ...] = ()
+    num_draft_tokens: int = 4  # draft length when neither the request nor the session names one
+    top_m: int | None = None  # the proposer's top-m (None: it sends no distributions at all)
+    max_context: int = 0  # tokens a session may hold; 0: unlimited (a proposer without weights)
+
+
+@dataclass(frozen=True)
+class _Mismatch:
+    """A refused Propose and the session's state to report with it."""
+
+    error: Exception
+    length: int
+    latest_epoch: int
+
+
+def check_session_id(session_id: str) -> None:
+    if not session_id or len(session_id) > MAX_SESSION_ID_LENGTH:
+        raise InvalidArgument(
+            f"session_id must be a non-empty string of at most {MAX_SESSION_ID_LENGTH} characters, "
+            f"got {len(session_id)} characters"
+        )
+
+
+def _annotate(**attributes: Any) -> None:
+    trace.get_current_span().set_attributes({k: v for k, v in attributes.items() if v is not None})
+
+
+def _start(engine: DraftEngine, session_id: str, tokens: list[int], params) -> int:
+    # Checked first: DraftEngine.start_session opens proposer state before it finds the id taken.
+    try:
+        engine.sessions.get(session_id)
+    except SessionNotFound:
+        pass
+    else:
+        raise SessionExists(session_id)
+    return engine.start_session(session_id, tokens, params)
+
+
+def _propose(engine: DraftEngine, *args: Any) -> Proposal | _Mismatch:
+    try:
+        return engine.propose(*args)
+    except (PositionMismatch, EpochMismatch) as exc:
+        state = engine.sessions.get(args[0])
+        return _Mismatch(exc, state.position, state.epoch)
+
+
+class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
+    def __init__(self, engine: DraftEngine, executor: ModelExecutor, metrics: DraftMetrics, config: DraftServiceConfig):
+        self.engine = engine
+        self.executor = executor
+        self.metrics = metrics
+        self.config = config
+        self.proposer = engine.proposer.name
+        self._session_num_draft_tokens: dict[str, int] = {}  # ProposerOptions.num_draft_tokens, if set
+        self.update_gauges()
+
+    # ---- RPCs ------------------------------------------------------------------------------
+
+    async def StartSession(self, request, context):
+        check_session_id(request.session_id)
+        _annotate(**{SPECDEC_SESSION_ID: request.session_id, "specdec.num_prompt_tokens": len(request.token_ids)})
+        num_draft_tokens = self._check_options(request.options)
+        tokens = list(request.token_ids)
+        self._check_tokens(tokens, 0, "token_ids")
+        params = sampling_params_from_proto(request.sampling)
+        started = time.perf_counter()
+        position = await self._run(_start, self.engine, request.session_id, tokens, params)
+        self.metrics.step_latency.labels(self.proposer, "prefill").observe(time.perf_counter() - started)
+        if num_draft_tokens:
+            self._session_num_draft_tokens[request.session_id] = num_draft_tokens
+        return draft_pb2.DraftServiceStartSessionResponse(position=position, proposer=self.proposer)
+
+    async def Propose(self, request, context):
+        check_session_id(request.session_id)
+        _annotate(**{SPECDEC_SESSION_ID: request.session_id, "specdec.parent_epoch": request.parent_epoch,
+                     "specdec.keep_position": request.keep_position})
+        if request.speculative:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, PIPELINING_DISABLED)
+        k = request.num_draft_tokens
+        if k < 0 or k > self.engine.max_draft_tokens:
+            raise InvalidArgument(
+                f"num_draft_tokens must be in [0, {self.engine.max_draft_tokens}] (0: the session's "
+                f"default), got {k}"
+            )
+        k = k or self._session_num_draft_tokens.get(request.session_id, self.config.num_draft_tokens)
+        appended = list(request.append_token_ids)
+        self._check_tokens(appended, request.keep_position, "append_token_ids")
+        started = time.perf_counter()
+        result = await self._run(
+            _propose, self.engine, request.session_id, request.keep_position, appended, k, request.parent_epoch
+        )
+        if isinstance(result, _Mismatch):
+            trailing = ((ACTUAL_POSITION_KEY, str(result.length)), (LATEST_EPOCH_KEY, str(result.latest_epoch)))
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(result.error), trailing)
+        num_drafted = result.block.num_tokens
+        self.metrics.step_latency.labels(self.proposer, "propose").observe(time.perf_counter() - started)
+        self.metrics.proposed_tokens.labels(self.proposer).inc(num_drafted)
+        _annotate(**{SPECDEC_POSITION: result.position, SPECDEC_NUM_DRAFT_TOKENS: num_drafted,
+                     "specdec.epoch": result.epoch})
+        response = draft_pb2.DraftServiceProposeResponse(
+            epoch=result.epoch, parent_epoch=request.parent_epoch, position=result.position,
+            draft_token_ids=result.block.token_ids.tolist(), proposer=result.proposer, speculative=False,
+        )
+        if result.block.draft_probs is not None:
+            response.draft_distributions.CopyFrom(pack_distributions(result.block))
+        return response
+
+    async def Truncate(self, request, context):
+        check_session_id(request.session_id)
+        _annotate(**{SPECDEC_SESSION_ID: request.session_id, SPECDEC_POSITION: request.position})
+        position = await self._run(self.engine.truncate, request.session_id, request.position)
+        return draft_pb2.DraftServiceTruncateResponse(position=position)
+
+    async def EndSession(self, request, context):
+        _annotate(**{SPECDEC_SESSION_ID: request.session_id})
+        existed = await self._run(self.engine.end_session, request.session_id)
+        self._session_num_draft_tokens.pop(request.session_id, None)
+        return draft_pb2.DraftServiceEndSessionResponse(existed=existed)
+
+    async def GetInfo(self, request, context):
+        model = self._model()
+        info = model_info_to_proto(
+            self.config.model, vocab_fingerprint=self.config.vocab_fingerprint,
+            eos_token_ids=self.config.eos_token_ids,
+            num_slots=model.num_slots if model is not None else 0,
+            free_slots=model.num_free_slots if model is not None else 0,
+        )
+        return draft_pb2.DraftServiceGetInfoResponse(
+            model=info, proposer=self.proposer, max_draft_tokens=self.engine.max_draft_tokens
+        )
+
+    # ---- housekeeping ------------------------------------------------------------------------
+
+    async def expire_idle_sessions(self, interval_s: float) -> None:
+        """Forever: end sessions idle past the engine's TTL (the coordinator re-opens them)."""
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                expired = await self._run(self.engine.expire_idle)
+            except Exception:  # noqa: BLE001 - keep expiring later; a dead reaper would leak sessions
+                log.exception("expiring idle sessions failed")
+                continue
+            for session_id in expired:
+                self._session_num_draft_tokens.pop(session_id, None)
+            if expired:
+                log.info("expired %d idle sessions", len(expired))
+
+    def update_gauges(self) -> None:
+        self.metrics.sessions.set(len(self.engine.sessions))
+        model = self._model()
+        if model is not None:
+            self.metrics.kv_cache_slots_total.set(model.num_slots)
+            self.metrics.kv_cache_slots_used.set(model.num_slots - model.num_free_slots)
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _model(self):
+        """The draft model behind the proposer, None for a proposer without weights."""
+        return getattr(self.engine.proposer, "model", None)
+
+    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return await self.executor.run(fn, *args)
+        finally:
+            self.update_gauges()
+
+    def _check_options(self, options) -> int:
+        limit = self.engine.max_draft_tokens
+        if not 0 <= options.num_draft_tokens <= limit:
+            raise InvalidArgument(
+                f"options.num_draft_tokens must be in [0, {limit}] (0: the server default "
+                f"{self.config.num_draft_tokens}), got {options.num_draft_tokens}"
+            )
+        top_m = self.config.top_m
+        if options.top_m < 0 or (top_m is not None and options.top_m not in (0, top_m)):
+            allowed = "0 or any positive value (this proposer sends no distributions)" if top_m is None \
+                else f"0 (the server default) or {top_m}: every session of this server drafts with top_m={top_m}"
+            raise InvalidArgument(f"options.top_m must be {allowed}, got {options.top_m}")
+        return options.num_draft_tokens
+
+    def _check_tokens(self, tokens: Sequence[int], before: int, field: str) -> None:
+        """Ids in the vocabulary, and room in the context after `before` tokens. A `before` past the
+        context is left to the engine, which reports it as the position mismatch it is."""
+        vocab = self.config.model.vocab_size
+        bad = [t for t in tokens if t < 0 or (vocab and t >= vocab)]
+        if bad:
+            allowed = f"[0, {vocab})" if vocab else ">= 0"
+            raise InvalidArgument(f"{field} must be token ids in {allowed}, got {bad[:5]}")
+        limit = self.config.max_context
+        if limit and before <= limit < before + len(tokens):
+            raise ContextOverflow(
+                f"{field}: {before + len(tokens)} tokens would pass the draft's context length {limit} "
+                f"(at most {limit - before} fit)"
+            )

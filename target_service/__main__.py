@@ -1,0 +1,5 @@
+import sys
+
+from target_service.main import main
+
+sys.exit(main())
