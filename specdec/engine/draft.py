@@ -47,9 +47,8 @@ class DraftEngine:
         tokens = [int(t) for t in token_ids]
         if not tokens:
             raise InvalidArgument("token_ids must not be empty")
-        state = DraftSession(session_id, params, tokens, committed=len(tokens))
+        state = self.sessions.add(DraftSession(session_id, params, tokens, committed=len(tokens)))
         state.proposer_state = self.proposer.open(session_id)
-        self.sessions.add(state)
         return state.committed
 
     def propose(
@@ -68,9 +67,9 @@ class DraftEngine:
         if parent_epoch and parent_epoch != state.epoch:
             raise EpochMismatch(session_id, expected=parent_epoch, actual=state.epoch)
         # Rolling back into the committed prefix, or keeping tokens never drafted, means a message
-        # was lost or duplicated: refuse with the committed position so the caller can resync.
+        # was lost or duplicated: refuse with the sequence's length so the caller can resync.
         if not state.committed <= keep_position <= state.position:
-            raise PositionMismatch(session_id, expected=keep_position, actual=state.committed)
+            raise PositionMismatch(session_id, expected=keep_position, actual=state.position)
         self._cut(state, keep_position)
         state.tokens.extend(int(t) for t in append_token_ids)
         state.committed = state.position
