@@ -93,3 +93,10 @@ def test_native_equals_transformers_on_the_default_target(default_target_dir):
     got = torch.cat(got)
     assert relative_error(got, want) <= TOL
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_hf_logits_are_ordinary_tensors(root):
+    model = HFModel(tiny_dir(root, "llama"), num_slots=1, max_context=16)
+    logits = model.forward([model.allocate()], [[1, 2, 3]], [2])[0]
+    logits[:, 0] = float("-inf")
+    assert logits.shape == (2, 256) and not logits.is_inference()

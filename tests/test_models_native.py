@@ -102,6 +102,8 @@ def test_slots_run_out_then_free_and_allocate(root):
 
 
 def test_context_overflow_leaves_the_slot_unchanged(root):
+    with pytest.raises(InvalidArgument, match="max_position_embeddings 512"):
+        native(tiny_dir(root, "llama"), max_context=1024)
     model = native(tiny_dir(root, "llama"), max_context=32)
     slot = model.allocate()
     model.forward([slot], [random_tokens(30)], [1])
@@ -156,3 +158,11 @@ def test_half_precision_and_kv_budget(root):
     got = model.forward([model.allocate()], [tokens])[0]
     assert got.dtype == torch.float32
     assert relative_error(got, reference_logits(path, tokens)) < 0.05  # bf16 keeps ~3 significant digits
+
+
+def test_logits_are_ordinary_tensors(root):
+    """Samplers may mask logits in place; inference-mode tensors would refuse that."""
+    model = native(tiny_dir(root, "llama"))
+    logits = model.forward([model.allocate()], [[1, 2, 3]], [2])[0]
+    logits[:, 0] = float("-inf")
+    assert not logits.is_inference()

@@ -44,8 +44,12 @@ class HFModel:
             str(path), dtype=DTYPES[dtype], attn_implementation=attn_implementation
         ).to(self.device).eval()
         config = self.model.config.get_text_config(decoder=True)
-        limit = getattr(config, "max_position_embeddings", None) or 2048
-        max_context = max_context or min(limit, 2048)
+        limit = getattr(config, "max_position_embeddings", None)
+        max_context = max_context or min(limit or 2048, 2048)
+        if limit and max_context > limit:
+            raise InvalidArgument(
+                f"max_context {max_context} exceeds the model's max_position_embeddings {limit}; choose a smaller one"
+            )
         _check_sliding_window(config, max_context)
         self._new_cache = lambda: DynamicCache(config=self.model.config)
         # transformers 5 renamed the forward's `past_key_values` to `cache`; accept either release.
@@ -102,7 +106,6 @@ class HFModel:
             self._lengths[dst] = self._lengths[src]
         self.truncate(dst, length)
 
-    @torch.inference_mode()
     def forward(
         self,
         slots: Sequence[int],
@@ -124,8 +127,10 @@ class HFModel:
                     f"slot {slot} holds {start} tokens; appending {n} would pass max_context "
                     f"{self.info.max_context} (at most {self.info.max_context - start} more fit)"
                 )
-        return [self._run_row(s, row, k) for s, row, k in zip(slots, token_ids, num_logits)]
+        # clone(): tensors made under inference_mode refuse in-place edits outside it.
+        return [self._run_row(s, row, k).clone() for s, row, k in zip(slots, token_ids, num_logits)]
 
+    @torch.inference_mode()
     def _run_row(self, slot: int, row: Sequence[int], keep: int) -> torch.Tensor:
         start, n = self._lengths[slot], len(row)
         ids = torch.tensor([list(row)], dtype=torch.long, device=self.device)  # [1, n]

@@ -48,7 +48,6 @@ class _Batch:
     mask: torch.Tensor | None  # [B, 1, T, L] bool, True = attend; None when nothing needs masking
     is_causal: bool  # a single fresh prefill: SDPA's own causal mask is exact
     logit_rows: torch.Tensor  # [N] flat token indices whose logits are returned
-    num_logits: list[int]
 
 
 class LlamaModel:
@@ -114,7 +113,6 @@ class LlamaModel:
 
     # Forward -----------------------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def forward(
         self,
         slots: Sequence[int],
@@ -122,9 +120,17 @@ class LlamaModel:
         num_logits: Sequence[int] | None = None,
     ) -> list[torch.Tensor]:
         lengths = [len(row) for row in token_ids]
-        if num_logits is None:
-            num_logits = lengths
-        batch = self._plan(list(slots), token_ids, lengths, list(num_logits))
+        num_logits = list(lengths if num_logits is None else num_logits)
+        logits = self._forward(list(slots), token_ids, lengths, num_logits)  # [sum(num_logits), vocab]
+        # Tensors made under inference_mode refuse in-place edits outside it; callers (samplers that
+        # mask logits) get ordinary tensors. The copy is a few rows of the vocabulary.
+        return list(logits.clone().split(num_logits))
+
+    @torch.inference_mode()
+    def _forward(
+        self, slots: list[int], token_ids: Sequence[Sequence[int]], lengths: list[int], num_logits: list[int]
+    ) -> torch.Tensor:
+        batch = self._plan(slots, token_ids, lengths, num_logits)
         x = F.embedding(batch.tokens, self.weights.embed)  # [B * T, hidden]
         for index, layer in enumerate(self.weights.layers):
             x = self._attention(x, layer, index, batch)
@@ -132,7 +138,7 @@ class LlamaModel:
         h = _rms_norm(x.index_select(0, batch.logit_rows), self.weights.final_norm, self.config.rms_norm_eps)
         logits = self.linear(h, self.weights.lm_head).float()  # [N, vocab]
         self.cache.advance(slots, lengths)
-        return list(logits.split(batch.num_logits))
+        return logits
 
     def _attention(self, x: torch.Tensor, w: LayerWeights, index: int, b: _Batch) -> torch.Tensor:
         cfg = self.config
@@ -206,7 +212,6 @@ class LlamaModel:
             write_index=write_index.view(-1).to(dev), slot_index=None if contiguous else slot_t.to(dev),
             first_slot=slots[0], mask=None if mask is None else mask.to(dev),
             is_causal=fresh_prefill and T > 1, logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=dev),
-            num_logits=num_logits,
         )
 
 

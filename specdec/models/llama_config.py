@@ -99,6 +99,11 @@ class LlamaConfig:
 
     def check_context(self, max_context: int) -> None:
         """Refuse a context the native attention would compute differently from the trained model."""
+        if max_context > self.max_position_embeddings:
+            raise InvalidArgument(
+                f"max_context {max_context} exceeds the model's max_position_embeddings "
+                f"{self.max_position_embeddings}; choose a smaller max_context"
+            )
         if self.sliding_window is not None and self.sliding_window < max_context:
             raise UnsupportedModel(
                 f"{self.architecture} uses a sliding attention window of {self.sliding_window} tokens, "
