@@ -37,8 +37,10 @@ class OneDnnLinear:
     name = "onednn"
 
     def prepare(self, weight: torch.Tensor) -> torch.Tensor:
-        # The batch-size hint only picks a layout; the packed weight serves any number of rows.
-        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
+        # The batch-size hint only picks the blocked layout; the packed weight serves any number of rows.
+        # A hint of 64 measured best here: as fast as a hint of 1 for one row, and 25-40% faster for
+        # the 5-9 rows of a verify (a hint of 1 made a 5-row product slower than a 1-row one).
+        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 64)
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
