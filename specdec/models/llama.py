@@ -8,9 +8,11 @@ causal inside the new tokens, full over the cached prefix and blind past the row
 tokens get the position of their row's last real token (so their attention is well defined) and write
 their keys/values into the cache's scratch column, which no mask ever admits.
 
-Activations are kept 2-D, [tokens, hidden], so every projection is one matmul and residual adds fuse
-into addmm. Only the rows whose logits were asked for go through the final norm and the lm_head: with a
-49k vocabulary the lm_head is the largest single matmul of a small model.
+Activations are kept 2-D, [tokens, hidden], so every projection is one matmul (linear_kernels.py picks
+the kernel) and residual adds fuse into it. Only the rows whose logits were asked for go through the
+final norm and the lm_head: with a 49k vocabulary the lm_head is the largest single matmul of a small
+model. The per-forward index tensors (_Batch) are built once on the host and shared by all layers; a
+CUDA-graph version would copy them into static buffers and pad key_len to a bucket.
 """
 
 from __future__ import annotations
@@ -51,7 +53,12 @@ class _Batch:
 
 
 class LlamaModel:
-    """The CausalLM protocol (specdec.models.base) over a native Llama-family forward."""
+    """The CausalLM protocol (specdec.models.base) over a native Llama-family forward.
+
+    path: a Hugging Face directory (config.json + safetensors). max_context: tokens per slot (default:
+    the model's limit capped at 2048). The pool is num_slots slots, or as many as kv_budget_bytes holds.
+    linear_kernel: "auto" | "dense" | "onednn" (see linear_kernels.py; "auto" is right outside benchmarks).
+    """
 
     def __init__(
         self,

@@ -21,6 +21,8 @@ def native_support(path: str | Path) -> str | None:
         LlamaConfig.load(path)
     except UnsupportedModel as e:
         return str(e)
+    if not any(Path(path).glob("*.safetensors")):
+        return "the native backend reads safetensors checkpoints only"
     return None
 
 
