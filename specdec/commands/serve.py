@@ -13,6 +13,7 @@ import importlib
 SERVICES = {
     "target": "target_service.main",
     "draft": "draft_service.main",
+    "coordinator": "coordinator.main",
 }
 
 

@@ -6,20 +6,23 @@ One cycle (Leviathan et al. 2023; Chen et al. 2023):
   3. stop:    EOS, a stop sequence or the budget inside the block cuts it; both caches roll back
   4. emit:    the committed tokens go to the caller (the coordinator records them first)
 Without a draft, or while the draft is failing, the same loop decodes plainly on the target: the
-output is the same either way, only slower.
+output is the same either way, only slower. A LoopObserver sees each cycle and its steps (the
+coordinator's spans and metrics) without the loop knowing about either.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Sequence
+from typing import Awaitable, Callable, ContextManager, Sequence
 
 from specdec.engine.api import DraftAPI, TargetAPI
 from specdec.generation.stats import SpeculationStats
 from specdec.generation.stopping import FinishReason, StopChecker
 from specdec.sampling.params import SamplingParams
+from specdec.types import VerifyOutcome
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +60,37 @@ class GenerationResult:
     stats: SpeculationStats
 
 
+class LoopObserver:
+    """Hooks around the loop for tracing and metrics; this default observes nothing.
+
+    cycle() encloses one whole cycle, emit included, and step() each service call inside it
+    ("propose", "verify", "decode", "truncate"), so a tracer can make them parent and children."""
+
+    def cycle(self, index: int, position: int) -> ContextManager[object]:
+        return contextlib.nullcontext()
+
+    def step(self, name: str) -> ContextManager[object]:
+        return contextlib.nullcontext()
+
+    def verified(self, outcome: VerifyOutcome, proposer: str) -> None:
+        """A drafted block came back from verification."""
+
+    def fell_back(self, error: Exception) -> None:
+        """The draft failed; the next cycles decode plainly."""
+
+
 class SpeculativeLoop:
-    def __init__(self, target: TargetAPI, draft: DraftAPI | None, settings: LoopSettings | None = None):
+    def __init__(
+        self,
+        target: TargetAPI,
+        draft: DraftAPI | None,
+        settings: LoopSettings | None = None,
+        observer: LoopObserver | None = None,
+    ):
         self.target = target
         self.draft = draft
         self.settings = settings or LoopSettings()
+        self.observer = observer or LoopObserver()
 
     async def run(self, cursor: SessionCursor, stop: StopChecker, emit: TokenSink) -> GenerationResult:
         """Generate after the cursor's committed sequence until `stop` says so; emit every token
@@ -69,25 +98,29 @@ class SpeculativeLoop:
         stats = SpeculationStats()
         generated: list[int] = []
         plain_cycles_left = 0 if self.draft is not None else -1  # -1: never speculate
+        index = 0
         while True:
-            k = self._draft_length(cursor, stop)
-            new_tokens: list[int] | None = None
-            if plain_cycles_left == 0 and k > 0:
-                new_tokens = await self._speculate(cursor, k, stats)
-                if new_tokens is None:  # the draft failed: plain decoding, retry later
-                    stats.fallbacks += 1
-                    plain_cycles_left = self.settings.retry_draft_after
-            elif plain_cycles_left > 0:
-                plain_cycles_left -= 1
-            if new_tokens is None:
-                new_tokens = await self._decode(cursor, stats)
-            keep, reason = stop.check(new_tokens)
-            if keep < len(new_tokens):
-                del cursor.tokens[len(cursor.tokens) - len(new_tokens) + keep:]
-                await self.target.truncate(cursor.session_id, cursor.position)
-                new_tokens = new_tokens[:keep]
-            generated.extend(new_tokens)
-            await emit(new_tokens)
+            with self.observer.cycle(index, cursor.position):
+                k = self._draft_length(cursor, stop)
+                new_tokens: list[int] | None = None
+                if plain_cycles_left == 0 and k > 0:
+                    new_tokens = await self._speculate(cursor, k, stats)
+                    if new_tokens is None:  # the draft failed: plain decoding, retry later
+                        stats.fallbacks += 1
+                        plain_cycles_left = self.settings.retry_draft_after
+                elif plain_cycles_left > 0:
+                    plain_cycles_left -= 1
+                if new_tokens is None:
+                    new_tokens = await self._decode(cursor, stats)
+                keep, reason = stop.check(new_tokens)
+                if keep < len(new_tokens):
+                    del cursor.tokens[len(cursor.tokens) - len(new_tokens) + keep:]
+                    with self.observer.step("truncate"):
+                        await self.target.truncate(cursor.session_id, cursor.position)
+                    new_tokens = new_tokens[:keep]
+                generated.extend(new_tokens)
+                await emit(new_tokens)
+            index += 1
             if reason is not None:
                 await self._settle_draft(cursor)
                 return GenerationResult(generated, reason, stats)
@@ -100,16 +133,20 @@ class SpeculativeLoop:
     async def _speculate(self, cursor: SessionCursor, k: int, stats: SpeculationStats) -> list[int] | None:
         started = time.perf_counter()
         try:
-            proposal = await self._propose(cursor, k)
+            with self.observer.step("propose"):
+                proposal = await self._propose(cursor, k)
         except Exception as exc:  # a failing draft never fails a request
             log.warning("draft failed for session %s, decoding plainly: %s", cursor.session_id, exc)
             cursor.draft_ready = False
+            self.observer.fell_back(exc)
             return None
         drafted_at = time.perf_counter()
         stats.draft_seconds += drafted_at - started
-        outcome = await self.target.verify(cursor.session_id, cursor.position, proposal.block, proposal.epoch)
+        with self.observer.step("verify"):
+            outcome = await self.target.verify(cursor.session_id, cursor.position, proposal.block, proposal.epoch)
         stats.verify_seconds += time.perf_counter() - drafted_at
         stats.record(outcome)
+        self.observer.verified(outcome, proposal.proposer)
         new_tokens = proposal.block.token_ids[: outcome.num_accepted].tolist() + [outcome.next_token]
         cursor.tokens.extend(new_tokens)
         return new_tokens
@@ -145,7 +182,8 @@ class SpeculativeLoop:
 
     async def _decode(self, cursor: SessionCursor, stats: SpeculationStats) -> list[int]:
         started = time.perf_counter()
-        new_tokens = await self.target.decode(cursor.session_id, cursor.position, 1)
+        with self.observer.step("decode"):
+            new_tokens = await self.target.decode(cursor.session_id, cursor.position, 1)
         stats.decode_seconds += time.perf_counter() - started
         stats.decode_steps += 1
         cursor.tokens.extend(new_tokens)

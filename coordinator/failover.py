@@ -1,0 +1,222 @@
+"""A session's target and draft as the loop sees them: TargetAPI / DraftAPI that outlive replicas.
+
+SessionTarget forwards to the session's target replica. When that replica is gone
+(ServiceUnavailable) or has lost the session (SessionNotFound: restarted, evicted), it rebuilds the
+session's cache on another replica, or on the same one restarted, by prefilling the committed
+tokens (StartSession with sample_first_token=False), then repeats the call. Every call names an
+absolute position and the randomness is keyed on positions, so the repeated call commits exactly
+what the first attempt would have: the output is unchanged and the request does not fail.
+
+SessionDraft forwards to the session's draft replica; a draft that fails is never fatal (the loop
+decodes plainly and reopens the draft session later), and that reopening is when a draft that did
+not answer is replaced by another one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Awaitable, Callable, Sequence
+
+from specdec.errors import PositionMismatch, ServiceUnavailable, SessionExists, SessionNotFound, SpecDecError
+from specdec.sampling.params import SamplingParams
+
+from coordinator.requests import Pool
+from coordinator.routing import DRAFT, TARGET, Router
+
+log = logging.getLogger(__name__)
+
+RECOVERABLE = (ServiceUnavailable, SessionNotFound, PositionMismatch)
+
+
+class NoReplica(SpecDecError):
+    """No replica of the needed kind is registered or configured (maps to UNAVAILABLE)."""
+
+
+class SessionTarget:
+    def __init__(
+        self,
+        router: Router,
+        pool: Pool,
+        session_id: str,
+        params: SamplingParams,
+        endpoint: str,
+        *,
+        committed: Callable[[], Sequence[int]],
+        guard: Callable[[], Awaitable[None]],
+        on_moved: Callable[[str], None],
+        failover_timeout_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.router, self.pool, self.session_id, self.params = router, pool, session_id, params
+        self.endpoint = endpoint
+        self.committed = committed  # the committed sequence as the loop knows it (cursor.tokens)
+        self.guard = guard  # raises when the turn must stop instead of rebuilding anything
+        self.on_moved = on_moved
+        self.failover_timeout_s = failover_timeout_s
+        self.clock = clock
+        self.rebuilds = 0
+
+    @property
+    def client(self):
+        return self.router.target(self.endpoint)
+
+    async def prepare(self, tokens: Sequence[int], need_first: bool, new_session: bool) -> int | None:
+        """Make the replica hold exactly `tokens` and, with need_first, commit and return the next
+        token: StartSession for a new session or one the replica lost; else Truncate (dropping
+        what a stopped stream left beyond the record) and Decode what the replica lacks."""
+        start = new_session
+
+        async def attempt(client) -> int | None:
+            if start:
+                return await self._start(client, tokens, need_first)
+            held = await self._cut(client, len(tokens))
+            new = await client.decode(self.session_id, held, int(need_first), list(tokens[held:]))
+            return new[0] if need_first else None
+
+        async def restart(error: Exception) -> None:
+            nonlocal start
+            start = True
+
+        return await self._retrying(attempt, restart)
+
+    async def verify(self, session_id: str, position: int, draft, epoch: int = 0):
+        return await self._retrying(
+            lambda c: c.verify(session_id, position, draft, epoch), lambda e: self._realign(e, position)
+        )
+
+    async def decode(
+        self, session_id: str, position: int, num_tokens: int, append_token_ids: Sequence[int] = ()
+    ) -> list[int]:
+        return await self._retrying(
+            lambda c: c.decode(session_id, position, num_tokens, append_token_ids),
+            lambda e: self._realign(e, position),
+        )
+
+    async def truncate(self, session_id: str, position: int) -> int:
+        return await self._retrying(
+            lambda c: c.truncate(session_id, position), lambda e: self._realign(e, position)
+        )
+
+    async def start_session(self, session_id, token_ids, params, sample_first_token: bool = True):
+        first = await self.prepare(token_ids, sample_first_token, new_session=True)
+        return len(token_ids) + int(sample_first_token), first
+
+    async def end_session(self, session_id: str) -> bool:
+        try:
+            return await self.client.end_session(session_id)
+        except ServiceUnavailable:  # gone with its caches; its idle TTL frees them otherwise
+            return False
+
+    async def info(self):
+        return (await self.router.describe(TARGET, self.endpoint)).model
+
+    async def _retrying(self, call, recover):
+        """call(client) until it succeeds; after a recoverable error, recover and try again, for
+        up to failover_timeout_s."""
+        deadline = self.clock() + self.failover_timeout_s
+        delay, error = 0.05, None
+        while True:
+            try:
+                if error is not None:
+                    await self.guard()
+                    if isinstance(error, ServiceUnavailable):
+                        await self._move()
+                        await asyncio.sleep(delay)
+                        delay = min(2 * delay, 1.0)
+                    await recover(error)
+                return await call(self.client)
+            except RECOVERABLE as exc:
+                if self.clock() >= deadline:
+                    raise
+                log.warning("session %s on target %s: %s; recovering", self.session_id, self.endpoint, exc)
+                error = exc
+
+    async def _move(self) -> None:
+        """Leave an endpoint that did not answer: another live one if any, else the same again."""
+        self.router.failed(self.endpoint)
+        endpoint = await self.router.choose_target(self.pool)
+        if endpoint is None:
+            raise NoReplica("no target replica is available; retry later")
+        if endpoint != self.endpoint:
+            log.warning("session %s moves from target %s to %s", self.session_id, self.endpoint, endpoint)
+            self.endpoint = endpoint
+            self.on_moved(endpoint)
+
+    async def _realign(self, error: Exception, position: int) -> None:
+        tokens = list(self.committed())[:position]
+        if len(tokens) != position:
+            raise RuntimeError(f"cannot rebuild session {self.session_id} at {position}: {len(tokens)} known")
+        if isinstance(error, PositionMismatch) and error.actual > position:
+            # An earlier attempt was applied but its answer was lost: undo it and repeat.
+            held = await self._cut(self.client, position)
+            await self.client.decode(self.session_id, held, 0, tokens[held:])
+            return
+        await self._start(self.client, tokens, need_first=False)
+
+    async def _cut(self, client, length: int) -> int:
+        """Truncate the replica's copy to one token short of `length`; the caller commits the rest
+        again with a Decode. A target's KV cache normally lacks the last committed token (the next
+        call feeds it); Truncate leaves it holding every kept token, and the next Verify could not
+        score the position after them. Re-committing the last token restores the usual state."""
+        return await client.truncate(self.session_id, max(1, length - 1))
+
+    async def _start(self, client, tokens: Sequence[int], need_first: bool) -> int | None:
+        try:
+            _, first = await client.start_session(self.session_id, tokens, self.params, need_first)
+        except SessionExists:  # the replica still holds a copy whose state is unknown: replace it
+            await client.end_session(self.session_id)
+            _, first = await client.start_session(self.session_id, tokens, self.params, need_first)
+        self.rebuilds += 1
+        return first
+
+
+class SessionDraft:
+    def __init__(
+        self,
+        router: Router,
+        pool: Pool,
+        fingerprint: str,
+        endpoint: str,
+        on_moved: Callable[[str], None],
+    ):
+        self.router, self.pool, self.fingerprint = router, pool, fingerprint
+        self.endpoint = endpoint
+        self.on_moved = on_moved
+        self._broken = False  # the endpoint did not answer: choose again at the next start_session
+
+    async def start_session(self, session_id: str, token_ids: Sequence[int], params: SamplingParams) -> None:
+        if self._broken:
+            endpoint = await self.router.choose_draft(self.pool, self.fingerprint)
+            if endpoint is None:
+                raise ServiceUnavailable("no draft replica with the target's vocabulary is available")
+            self._broken = False
+            if endpoint != self.endpoint:
+                self.endpoint = endpoint
+                self.on_moved(endpoint)
+        await self._call(lambda c: c.start_session(session_id, token_ids, params))
+
+    async def propose(self, session_id, keep_position, append_token_ids, num_draft_tokens, parent_epoch=0):
+        return await self._call(
+            lambda c: c.propose(session_id, keep_position, append_token_ids, num_draft_tokens, parent_epoch)
+        )
+
+    async def truncate(self, session_id: str, position: int) -> int:
+        return await self._call(lambda c: c.truncate(session_id, position))
+
+    async def end_session(self, session_id: str) -> bool:
+        if self._broken:  # about to move; its idle TTL frees whatever it still holds
+            return False
+        return await self._call(lambda c: c.end_session(session_id))
+
+    async def info(self):
+        return (await self.router.describe(DRAFT, self.endpoint)).model
+
+    async def _call(self, call):
+        try:
+            return await call(self.router.draft(self.endpoint))
+        except ServiceUnavailable:
+            self._broken = True
+            self.router.failed(self.endpoint)
+            raise

@@ -1,0 +1,192 @@
+"""`python -m coordinator` / `specdec serve coordinator`: serve CoordinatorService.
+
+main() parses flags into one frozen CoordinatorSettings, loads the target's tokenizer (not its
+weights), connects to Redis and serves until SIGTERM. Shutdown is graceful: health turns
+NOT_SERVING, running turns get half the grace period to finish, then stop at a cycle boundary
+and their streams end with UNAVAILABLE, resumable by session id.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from specdec.errors import SpecDecError
+from specdec.server.settings import ConfigError
+
+from coordinator.settings import CoordinatorSettings, add_arguments, settings_from_args
+
+log = logging.getLogger(__name__)
+
+HELP = "serve the coordinator (CoordinatorService: Generate, Cancel, GetSession, EndSession)"
+DESCRIPTION = (
+    "Serve the public generation API: runs speculative decoding against draft and target replicas, "
+    "keeps session state in Redis, streams tokens. Health, reflection and Prometheus /metrics included."
+)
+
+
+@dataclass
+class Coordinator:
+    """The assembled service: what the servicer needs, and what to close at shutdown."""
+
+    sessions: object  # SessionManager
+    router: object  # Router
+    redis: object  # redis.asyncio.Redis
+    servicer: object  # CoordinatorServicer
+
+    async def aclose(self) -> None:
+        await self.router.aclose()
+        await self.redis.aclose()
+
+
+def build(settings: CoordinatorSettings, *, tracer_provider=None, registry=None, prompts=None) -> Coordinator:
+    """Everything but the gRPC server (tests host the servicer themselves)."""
+    import redis.asyncio as redis
+    from opentelemetry import trace
+
+    from coordinator.prompts import PromptEncoder
+    from coordinator.routing import Router
+    from coordinator.servicer import CoordinatorServicer, status_name
+    from coordinator.sessions import SessionConfig, SessionManager
+    from coordinator.telemetry import Telemetry
+    from coordinator.turn import TurnSettings
+    from draft_service.client import connect as connect_draft
+    from specdec.observability.metrics import CoordinatorMetrics, new_registry
+    from specdec.observability.spans import CycleSpanSampler
+    from specdec.store import ReplicaRegistry, SessionStore
+    from target_service.client import connect as connect_target
+
+    timeout = settings.redis_timeout_s
+    client = redis.Redis.from_url(settings.redis_url, socket_timeout=timeout, socket_connect_timeout=timeout)
+    store = SessionStore(client, settings.session_ttl_s, prefix=settings.redis_prefix)
+    # Flags name the replicas of a kind; without them, replicas of that kind are found in Redis.
+    discovery = ReplicaRegistry(client, settings.redis_prefix)
+    router = Router(
+        lambda e: connect_target(e, settings.target_client, tracer_provider=tracer_provider),
+        lambda e: connect_draft(e, settings.draft_client, tracer_provider=tracer_provider),
+        targets=settings.targets, drafts=settings.drafts, registry=discovery,
+    )
+    prompts = prompts or PromptEncoder.load(settings.tokenizer)
+    provider = tracer_provider or trace.get_tracer_provider()
+    telemetry = Telemetry(
+        tracer=provider.get_tracer("coordinator"),
+        metrics=CoordinatorMetrics(registry if registry is not None else new_registry(process=False)),
+        cycle_sampler=CycleSpanSampler(every=settings.server.tracing.cycle_span_every),
+        model=settings.model_name or settings.tokenizer,
+    )
+    config = SessionConfig(
+        default_pool=settings.default_pool, owner_lease_s=settings.owner_lease_s,
+        turn=TurnSettings(settings.num_draft_tokens, settings.retry_draft_after, settings.owner_lease_s / 3,
+                          settings.failover_timeout_s),
+    )
+    sessions = SessionManager(store, router, prompts, telemetry, settings.limits, config, status_name)
+    return Coordinator(sessions, router, client, CoordinatorServicer(sessions))
+
+
+async def serve_coordinator(settings: CoordinatorSettings, tracer_provider=None) -> None:
+    """Serve until SIGTERM / SIGINT; returns after the graceful shutdown."""
+    from specdec.observability.metrics import new_registry
+    from specdec.rpc import coordinator_pb2_grpc
+    from specdec.server.bootstrap import ServiceHost
+
+    from coordinator.servicer import ERROR_CODES, SERVICE_NAME
+
+    registry = new_registry()
+    coordinator = build(settings, tracer_provider=tracer_provider, registry=registry)
+
+    def register(server):
+        coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(coordinator.servicer, server)
+        return [SERVICE_NAME]
+
+    host = ServiceHost(settings.server, register, on_shutdown=[coordinator.aclose], tracer_provider=tracer_provider,
+                       registry=registry, error_codes=ERROR_CODES)
+    await host.start()
+    if settings.ready_file is not None:
+        write_ready_file(settings.ready_file, host)
+    loop = asyncio.get_running_loop()
+    tasks = [loop.create_task(check_static_replicas(coordinator, settings))]
+
+    def on_signal(signum: int) -> None:
+        if host.stopping:  # a second signal: cancel what still runs
+            loop.create_task(host.stop_now())
+            return
+        log.info("%s: graceful shutdown", signal.Signals(signum).name)
+        # The drain must start before the server stops taking calls: ServiceHost's own hooks run after.
+        tasks.append(loop.create_task(coordinator.sessions.drain(settings.server.grace_period_s)))
+        host.begin_shutdown()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+    try:
+        await host.wait()
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def check_static_replicas(coordinator: Coordinator, settings: CoordinatorSettings) -> None:
+    """At startup, say early (in the log) which configured drafts the targets refuse to pair with."""
+    from coordinator.routing import TARGET
+
+    for target in settings.targets:
+        try:
+            fingerprint = (await coordinator.router.describe(TARGET, target)).vocab_fingerprint
+        except Exception as exc:  # noqa: BLE001 - not up yet: checked again at first use
+            log.info("target %s not reachable yet: %s", target, exc)
+            continue
+        for draft in settings.drafts:
+            await coordinator.router.draft_compatible(draft, fingerprint)
+        return
+
+
+def write_ready_file(path: Path, host) -> None:
+    """Atomically: a reader never sees half a file."""
+    ports = {"pid": os.getpid(), "port": host.port, "health_port": host.health_port,
+             "metrics_port": host.metrics_port}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(ports))
+    tmp.replace(path)
+
+
+def run(settings: CoordinatorSettings) -> int:
+    from specdec.observability.tracing import setup_tracing
+
+    tracing = settings.server.tracing
+    provider = setup_tracing(tracing.service_name, tracing.sampling_ratio)
+    try:
+        asyncio.run(serve_coordinator(settings, provider))
+    finally:
+        provider.shutdown()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m coordinator", description=DESCRIPTION, allow_abbrev=False)
+    add_arguments(parser)
+    return parser
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    try:
+        settings = settings_from_args(args)
+    except ConfigError as exc:
+        print(f"coordinator: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return run(settings)
+    except SpecDecError as exc:  # an unknown tokenizer, say: no traceback
+        print(f"coordinator: {exc}", file=sys.stderr)
+        return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run_from_args(args)

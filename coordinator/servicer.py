@@ -1,0 +1,70 @@
+"""CoordinatorService over gRPC: protobuf in, the session manager, protobuf out. Nothing else.
+
+Domain errors map to status codes once, in the server's ErrorMappingInterceptor (specdec.errors'
+defaults plus ERROR_CODES below); messages reach the client verbatim.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from specdec.errors import InvalidArgument, ServiceUnavailable
+from specdec.rpc import coordinator_pb2 as pb
+from specdec.rpc import coordinator_pb2_grpc
+from specdec.server.interceptors import STATUS_BY_ERROR, grpc_status
+from specdec.store import SchemaMismatch, VersionConflict
+
+from coordinator.claims import TurnInProgress
+from coordinator.convert import message_to_proto, request_from_proto, session_to_proto
+from coordinator.failover import NoReplica
+from coordinator.sessions import SessionManager
+from coordinator.stream import StreamInterrupted
+from coordinator.turn import TurnStopped
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CoordinatorService"].full_name
+
+ERROR_CODES = {
+    TurnInProgress: grpc.StatusCode.FAILED_PRECONDITION,
+    TurnStopped: grpc.StatusCode.ABORTED,
+    VersionConflict: grpc.StatusCode.ABORTED,
+    SchemaMismatch: grpc.StatusCode.FAILED_PRECONDITION,
+    NoReplica: grpc.StatusCode.UNAVAILABLE,
+    ServiceUnavailable: grpc.StatusCode.UNAVAILABLE,
+    StreamInterrupted: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def status_name(exc: BaseException) -> str:
+    """The status code name a client sees for an error (the requests metric's label)."""
+    if isinstance(exc, grpc.aio.AbortError):
+        return "ABORTED_BY_HANDLER"
+    mapped = grpc_status(exc, {**STATUS_BY_ERROR, **ERROR_CODES})
+    return mapped[0].name if mapped else grpc.StatusCode.INTERNAL.name
+
+
+def _session_id(value: str) -> str:
+    if not value:
+        raise InvalidArgument("session_id is required")
+    return value
+
+
+class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
+    def __init__(self, sessions: SessionManager):
+        self.sessions = sessions
+
+    async def Generate(self, request, context):
+        async for message in self.sessions.generate(request_from_proto(request)):
+            yield message_to_proto(message)
+
+    async def Cancel(self, request, context):
+        was_generating = await self.sessions.cancel(_session_id(request.session_id))
+        return pb.CoordinatorServiceCancelResponse(was_generating=was_generating)
+
+    async def GetSession(self, request, context):
+        session_id = _session_id(request.session_id)
+        view = await self.sessions.get(session_id)
+        return pb.CoordinatorServiceGetSessionResponse(session=session_to_proto(session_id, view))
+
+    async def EndSession(self, request, context):
+        existed = await self.sessions.end(_session_id(request.session_id))
+        return pb.CoordinatorServiceEndSessionResponse(existed=existed)

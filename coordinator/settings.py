@@ -1,0 +1,122 @@
+"""The coordinator's flags and its one frozen settings object (built in main, passed down).
+
+Precedence is flag > SPECDEC_* environment variable > default, as for every service.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from specdec.server.settings import (
+    ClientSettings,
+    ConfigError,
+    ServerSettings,
+    add_client_arguments,
+    add_server_arguments,
+    client_settings_from_args,
+    server_settings_from_args,
+)
+
+from coordinator.requests import Limits, Pool
+
+SERVICE = "coordinator"
+DEFAULT_PORT = 50051
+DEFAULT_METRICS_PORT = 9101
+DRAFT_TIMEOUT_S = 5.0  # a slow draft only costs speed: give up on it soon and decode plainly
+
+
+@dataclass(frozen=True)
+class CoordinatorSettings:
+    server: ServerSettings
+    target_client: ClientSettings
+    draft_client: ClientSettings
+    tokenizer: str  # the target model's tokenizer: registry name, hub id or directory
+    redis_url: str
+    targets: tuple[str, ...] = ()  # static endpoints; empty: discover them in Redis
+    drafts: tuple[str, ...] = ()
+    redis_prefix: str = "specdec"
+    default_pool: Pool = Pool.SPECULATIVE
+    num_draft_tokens: int = 4
+    retry_draft_after: int = 8
+    limits: Limits = Limits()
+    session_ttl_s: float = 3600.0
+    owner_lease_s: float = 10.0
+    failover_timeout_s: float = 30.0
+    redis_timeout_s: float = 5.0  # deadline of every Redis command
+    model_name: str = ""  # gen_ai.request.model; default: the tokenizer's name
+    ready_file: Path | None = None
+
+    def __post_init__(self) -> None:
+        if not self.redis_url:
+            raise ConfigError("--redis-url is required: sessions live in Redis (the launcher passes an embedded one)")
+        if not 1 <= self.num_draft_tokens <= self.limits.max_draft_tokens:
+            raise ConfigError(f"--num-draft-tokens must be in [1, --max-draft-tokens], got {self.num_draft_tokens}")
+        if not 1 <= self.limits.default_max_new_tokens <= self.limits.max_new_tokens_limit:
+            raise ConfigError("--max-new-tokens must be in [1, --max-new-tokens-limit]")
+        if self.retry_draft_after < 0:
+            raise ConfigError(f"--retry-draft-after must be >= 0, got {self.retry_draft_after}")
+        for name in ("session_ttl_s", "owner_lease_s", "failover_timeout_s", "redis_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"--{name[:-2].replace('_', '-')} must be > 0 seconds")
+        for endpoint in (*self.targets, *self.drafts):
+            host, _, port = endpoint.rpartition(":")
+            if not host or not port.isdigit():
+                raise ConfigError(f"an endpoint is host:port, got {endpoint!r}")
+
+
+def add_arguments(parser: argparse.ArgumentParser, environ=os.environ) -> None:
+    env = environ.get
+    g = parser.add_argument_group("coordinator")
+    g.add_argument("--tokenizer", default=env("SPECDEC_TOKENIZER", "smollm2-135m-instruct"),
+                   help="the target model's tokenizer: registry name, hub id or directory (only the tokenizer "
+                        "is loaded) (default: %(default)s)")
+    g.add_argument("--target", action="append", default=[], metavar="HOST:PORT",
+                   help="a target replica (repeatable); none: discover replicas in Redis")
+    g.add_argument("--draft", action="append", default=[], metavar="HOST:PORT",
+                   help="a draft replica (repeatable); none: discover replicas in Redis")
+    g.add_argument("--redis-url", default=env("SPECDEC_REDIS_URL", ""),
+                   help="Redis for session state and replica discovery (redis:// or rediss://, password in "
+                        "the URL); required")
+    g.add_argument("--redis-prefix", default=env("SPECDEC_REDIS_PREFIX", "specdec"))
+    g.add_argument("--redis-timeout", type=float, default=5.0, help="deadline in seconds of every Redis command")
+    g.add_argument("--default-pool", choices=[p.value for p in Pool], default=env("SPECDEC_DEFAULT_POOL", "speculative"),
+                   help="pool of a new session whose request names none")
+    g.add_argument("--num-draft-tokens", type=int, default=4, help="draft length when a session names none")
+    g.add_argument("--max-draft-tokens", type=int, default=16, help="largest draft length a request may ask for")
+    g.add_argument("--retry-draft-after", type=int, default=8,
+                   help="plain decoding steps after a draft failure before speculation is tried again")
+    g.add_argument("--max-new-tokens", type=int, default=256, help="a turn's budget when the request sets none")
+    g.add_argument("--max-new-tokens-limit", type=int, default=4096, help="largest budget a request may ask for")
+    g.add_argument("--session-ttl", type=float, default=3600.0, help="seconds an unused session is kept in Redis")
+    g.add_argument("--owner-lease", type=float, default=10.0,
+                   help="seconds without a write after which a generating turn counts as abandoned")
+    g.add_argument("--failover-timeout", type=float, default=30.0,
+                   help="seconds a call may spend rebuilding a session on other target replicas")
+    g.add_argument("--model-name", default=env("SPECDEC_MODEL_NAME", ""),
+                   help="gen_ai.request.model on spans (default: --tokenizer)")
+    g.add_argument("--ready-file", type=Path, default=None,
+                   help="write the bound ports as JSON here once serving (launchers and tests)")
+    add_server_arguments(parser, port=DEFAULT_PORT, metrics_port=DEFAULT_METRICS_PORT, environ=environ)
+    add_client_arguments(parser, "target", environ=environ)
+    add_client_arguments(parser, "draft", environ=environ)
+    if "SPECDEC_DRAFT_TIMEOUT_S" not in environ:
+        parser.set_defaults(draft_timeout=DRAFT_TIMEOUT_S)
+
+
+def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
+    server = server_settings_from_args(args, service=SERVICE)
+    return CoordinatorSettings(
+        server=server,
+        target_client=client_settings_from_args(args, "target", max_message_bytes=server.max_message_bytes),
+        draft_client=client_settings_from_args(args, "draft", max_message_bytes=server.max_message_bytes),
+        tokenizer=args.tokenizer, redis_url=args.redis_url, targets=tuple(args.target), drafts=tuple(args.draft),
+        redis_prefix=args.redis_prefix, default_pool=Pool(args.default_pool),
+        num_draft_tokens=args.num_draft_tokens, retry_draft_after=args.retry_draft_after,
+        limits=Limits(args.max_new_tokens, args.max_new_tokens_limit, args.max_draft_tokens),
+        session_ttl_s=args.session_ttl, owner_lease_s=args.owner_lease, failover_timeout_s=args.failover_timeout,
+        redis_timeout_s=args.redis_timeout,
+        model_name=args.model_name, ready_file=args.ready_file,
+    )
