@@ -41,7 +41,7 @@ class Claims:
 
     async def new_session(self, request: GenerateRequest, max_new_tokens: int) -> Claim:
         tokens, messages = self.prompts.first_turn(request)
-        pool = request.pool or self.default_pool
+        pool = self.pool_for(request)
         speculate = pool is Pool.SPECULATIVE and request.speculation.enabled is not False
         target, description = await self._target(pool)
         self._check_room(0, len(tokens), description.model.max_context)
@@ -111,6 +111,11 @@ class Claims:
         if reason is not None:  # its coordinator died after the last token, before the final write
             plan = replace(plan, finished=reason)
         return Claim(plan, stop)
+
+    def pool_for(self, request: GenerateRequest) -> Pool:
+        """The pool of a new session: the request's override, else the default. (The canary's
+        share of new sessions goes here; a session keeps its pool for all its turns.)"""
+        return request.pool or self.default_pool
 
     async def _target(self, pool: Pool, sticky: str = ""):
         """The session's target (or the least loaded one) and its GetInfo; skips one that does not

@@ -129,6 +129,20 @@ async def test_greedy_output_equals_plain_decoding_and_is_recorded_before_it_is_
                 assert stats.accepted == stats.drafted > 0  # an identical draft is always accepted
 
 
+async def test_sampled_output_follows_the_seed_with_or_without_a_draft(redis_url, dirs, services):
+    """Gumbel-coupled sampling is token for token plain sampling with the same seed; an unset seed
+    is drawn per session and recorded."""
+    gumbel = common_pb2.SamplingParams(temperature=1.0, top_p=0.9, seed=7, mode=common_pb2.SAMPLING_MODE_GUMBEL)
+    async with coordinator(redis_url, dirs, services, "same") as c:
+        spec = await c.generate(prompt=PROMPTS[0], max_new_tokens=16, sampling=gumbel)
+        plain = await c.generate(prompt=PROMPTS[0], max_new_tokens=16, sampling=gumbel, pool=pb.POOL_BASELINE)
+        unseeded = [await c.generate(prompt=PROMPTS[0], max_new_tokens=2,
+                                     sampling=common_pb2.SamplingParams(temperature=1.0)) for _ in range(2)]
+        seeds = [(await c.session(m[-1].session_id)).sampling.seed for m in (spec, *unseeded)]
+    assert tokens_of(spec) == tokens_of(plain) and spec[-1].stats.cycles > 0
+    assert seeds[0] == 7 and seeds[1] != seeds[2]
+
+
 async def test_next_turn_appends_to_the_session_and_equals_plain_decoding_of_the_conversation(
     redis_url, dirs, services, reference
 ):
