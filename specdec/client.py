@@ -97,12 +97,25 @@ def to_chunk(response: coordinator_pb2.CoordinatorServiceGenerateResponse) -> Ch
     reason = None
     if response.finish_reason:
         reason = coordinator_pb2.FinishReason.Name(response.finish_reason).removeprefix("FINISH_REASON_").lower()
-    as_dict = lambda m: json_format.MessageToDict(m, preserving_proto_field_name=True)  # noqa: E731
     return Chunk(
         response.session_id, list(response.token_ids), response.text, response.position, reason,
-        as_dict(response.usage) if response.HasField("usage") else {},
-        as_dict(response.stats) if response.HasField("stats") else {},
+        message_dict(response.usage) if response.HasField("usage") else {},
+        message_dict(response.stats) if response.HasField("stats") else {},
     )
+
+
+def message_dict(message) -> dict:
+    """Set fields as plain Python values (proto3 JSON would turn 64-bit counters into strings)."""
+    out = {}
+    for field_desc, value in message.ListFields():
+        if field_desc.enum_type is not None:
+            value = field_desc.enum_type.values_by_number[value].name
+        elif field_desc.is_repeated:
+            value = list(value)
+        elif field_desc.message_type is not None:
+            value = message_dict(value)
+        out[field_desc.name] = value
+    return out
 
 
 def collect(chunks: Sequence[Chunk]) -> Completion:

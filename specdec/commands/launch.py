@@ -1,0 +1,118 @@
+"""`specdec launch`: Redis, target, draft and coordinator as processes on this machine.
+
+Plaintext on 127.0.0.1 only: this is the single-machine setup. Production deployments run each
+service with TLS (see docs/DEPLOYMENT.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import signal
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+log = logging.getLogger("specdec.launch")
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "launch", help="start Redis, draft, target and coordinator locally",
+        description="Start a real Redis server, the target and draft services and the coordinator as "
+                    "processes on 127.0.0.1; with --prompt, send one prompt, print the answer and stop.",
+    )
+    parser.add_argument("--target", default="smollm2-135m-instruct", help="registry name or HF directory")
+    parser.add_argument("--draft", default=None,
+                        help="'ngram', 'none' (plain decoding), a registry name or an HF directory "
+                             "(default: the packaged draft if present, else ngram)")
+    parser.add_argument("--redis-url", help="use this Redis instead of starting an embedded one")
+    parser.add_argument("--port", type=int, default=50051, help="the coordinator's port")
+    parser.add_argument("--backend", choices=["native", "hf", "auto"], default="native")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument("--num-draft-tokens", "-k", type=int, default=4)
+    parser.add_argument("--log-dir", type=Path, help="service logs (default: a temporary folder)")
+    parser.add_argument("--prompt", help="send this prompt, print the answer and statistics, then stop")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="for --prompt")
+    parser.add_argument("--json", action="store_true", help="with --prompt: print the result as JSON")
+    parser.set_defaults(func=run)
+
+
+def model_args(args: argparse.Namespace) -> list[str]:
+    return ["--backend", args.backend, "--device", args.device, "--dtype", args.dtype]
+
+
+def draft_args(draft: str, args: argparse.Namespace, target_dir: Path) -> list[str] | None:
+    if draft == "none":
+        return None
+    common = ["--host", "127.0.0.1", "--plaintext", "--num-draft-tokens", str(args.num_draft_tokens)]
+    if draft == "ngram":
+        return common + ["--proposer", "ngram", "--tokenizer", str(target_dir)]
+    from specdec.models.registry import resolve_model
+
+    return common + ["--proposer", "draft-model", "--model", str(resolve_model(draft)), *model_args(args)]
+
+
+def run(args: argparse.Namespace) -> int:
+    from specdec.commands.generate import default_draft
+    from specdec.models.registry import resolve_model
+    from specdec.processes import launch, stop_all, wait_all
+    from specdec.store import EmbeddedRedis
+
+    draft = args.draft or default_draft()
+    target_dir = resolve_model(args.target)  # fetch once here, with progress, not inside the service
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="specdec-launch-"))
+    with contextlib.ExitStack() as stack:
+        redis_url = args.redis_url
+        if not redis_url:
+            redis_url = stack.enter_context(EmbeddedRedis()).url
+        log.info("redis at %s; logs in %s", redis_url.split("@")[-1], log_dir)
+        target = launch("target_service", ["--host", "127.0.0.1", "--plaintext", "--model", str(target_dir),
+                                           *model_args(args)], log_dir=log_dir)
+        services = [target]
+        draft_cli = draft_args(draft, args, target_dir)
+        draft_proc = launch("draft_service", draft_cli, log_dir=log_dir) if draft_cli else None
+        services += [draft_proc] if draft_proc else []
+        stack.callback(stop_all, *services)
+        wait_all(*services, timeout_s=300)
+        coordinator_cli = ["--host", "127.0.0.1", "--plaintext", "--port", str(args.port),
+                           "--tokenizer", str(target_dir), "--redis-url", redis_url,
+                           "--target", target.address, "--target-plaintext", "--draft-plaintext",
+                           "--num-draft-tokens", str(args.num_draft_tokens)]
+        if draft_proc:
+            coordinator_cli += ["--draft", draft_proc.address]
+        else:
+            coordinator_cli += ["--default-pool", "baseline"]
+        coordinator = launch("coordinator", coordinator_cli, log_dir=log_dir)
+        services.append(coordinator)
+        stack.callback(stop_all, coordinator)
+        wait_all(coordinator, timeout_s=120)
+        log.info("coordinator %s | target %s | draft %s (%s)", coordinator.address, target.address,
+                 draft_proc.address if draft_proc else "-", draft)
+        if args.prompt is None:
+            return wait_for_signal()
+        return ask(coordinator.address, args)
+
+
+def ask(address: str, args: argparse.Namespace) -> int:
+    from specdec.commands.client import run as client_run
+
+    client_args = argparse.Namespace(
+        prompt=args.prompt, address=address, session=None, resume_from=None, raw=False, pool=None,
+        no_speculation=False, num_draft_tokens=0, plaintext=True, tls_ca=None, tls_cert=None,
+        tls_key=None, token_file=None, json=args.json, max_new_tokens=args.max_new_tokens,
+        temperature=0.0, top_k=0, top_p=1.0, seed=0, sampling_mode="rejection", stop=[],
+    )
+    return client_run(client_args)
+
+
+def wait_for_signal() -> int:
+    stopped = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stopped.set())
+    print("services are running; Ctrl-C stops them", file=sys.stderr)
+    stopped.wait()
+    return 0

@@ -1,0 +1,118 @@
+"""The README's path: `specdec launch` starts Redis, target, draft and coordinator as processes; the
+client library (blocking and asyncio) and `specdec launch --prompt` talk to it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from service_procs import REPO, tiny_model_dir
+from specdec.client import AsyncClient, Client
+from specdec.engine.local import LocalTarget
+from specdec.engine.target import TargetEngine
+from specdec.generation.loop import generate
+from specdec.generation.stopping import StopChecker
+from specdec.models.loader import load_model
+from specdec.models.tokenizer import encode_prompt, eos_token_ids, load_tokenizer
+from specdec.sampling.params import SamplingParams
+
+PROMPT = "Tell me about the sea."
+
+
+def plain_greedy(model_dir, prompt_ids, max_new_tokens):
+    target = LocalTarget(TargetEngine(load_model(model_dir, num_slots=1)))
+    stop = StopChecker(max_new_tokens, eos_token_ids(load_tokenizer(model_dir), model_dir))
+
+    async def ignore(tokens):
+        pass
+
+    return asyncio.run(generate(target, None, "ref", prompt_ids, SamplingParams(), stop, ignore)).token_ids
+
+
+def specdec_cmd(*args):
+    return [sys.executable, "-m", "specdec.cli", *args]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    base = tmp_path_factory.getbasetemp()
+    return tiny_model_dir(base, "target", seed=0), tiny_model_dir(base, "draft-random", seed=1)
+
+
+def test_launch_with_prompt_prints_the_plain_decoding_answer(models):
+    target, draft = models
+    result = subprocess.run(
+        specdec_cmd("launch", "--target", str(target), "--draft", str(draft), "--port", "0",
+                    "--prompt", PROMPT, "--max-new-tokens", "24", "--json"),
+        cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    answer = json.loads(result.stdout[result.stdout.index("{"):])
+    prompt_ids = encode_prompt(load_tokenizer(target), PROMPT)
+    assert answer["token_ids"] == plain_greedy(target, prompt_ids, 24)
+    assert answer["stats"]["proposer"] == "draft-model" and answer["stats"]["cycles"] > 0
+
+
+@pytest.fixture(scope="module")
+def launched(models, tmp_path_factory):
+    """`specdec launch` in the background, as a user runs it; its coordinator address from the log."""
+    target, draft = models
+    log_path = tmp_path_factory.mktemp("launch") / "launch.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(specdec_cmd("launch", "--target", str(target), "--draft", "ngram", "--port", "0"),
+                                cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 240
+    address = None
+    while address is None:
+        text = log_path.read_text()
+        if "coordinator " in text and " | target" in text:
+            address = text.split("coordinator ", 1)[1].split(" |", 1)[0]
+        elif proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"launch did not come up:\n{text[-3000:]}")
+        else:
+            time.sleep(0.2)
+    yield address, target
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(60) == 0, log_path.read_text()[-3000:]
+
+
+def test_blocking_client_streams_continues_and_ends_a_session(launched):
+    address, target = launched
+    tokenizer = load_tokenizer(target)
+    with Client(address, plaintext=True) as client:
+        chunks = list(client.stream(PROMPT, max_new_tokens=12))
+        assert chunks[-1].finish_reason in ("length", "eos") and chunks[-1].usage["completion_tokens"] >= 1
+        first = [t for c in chunks for t in c.token_ids]
+        assert first == plain_greedy(target, encode_prompt(tokenizer, PROMPT), 12)
+        session_id = chunks[-1].session_id
+        second = client.generate("And the sky?", session_id=session_id, max_new_tokens=6)
+        assert second.session_id == session_id and second.position > chunks[-1].position
+        info = client.get_session(session_id)
+        assert info["session_id"] == session_id and info["position"] == second.position
+        assert client.end_session(session_id)
+
+
+def test_async_client_and_bad_input(launched):
+    import grpc
+
+    address, target = launched
+
+    async def scenario():
+        async with AsyncClient(address, plaintext=True) as client:
+            completion = await client.generate(PROMPT, max_new_tokens=8, temperature=0.7, seed=3)
+            again = await client.generate(PROMPT, max_new_tokens=8, temperature=0.7, seed=3)
+            assert completion.token_ids == again.token_ids  # seeded sampling is reproducible
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await client.generate(PROMPT, max_new_tokens=8, top_p=1.5)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in err.value.details()
+
+    asyncio.run(scenario())
