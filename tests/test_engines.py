@@ -58,6 +58,9 @@ def test_truncate_is_idempotent_and_rolls_back_the_cache(tiny_target):
     assert target.truncate("a", 6) == 6
     assert target.decode("a", 6, 4) == tokens[2:6]  # greedy: the same continuation again
     assert target.truncate("a", 99) == 10  # never grows
+    # A verify right after a truncate re-feeds the last committed token to score the first draft.
+    assert target.truncate("a", 8) == 8
+    assert target.verify("a", 8, DraftBlock(token_ids=torch.tensor(tokens[4:6]))).num_accepted == 2
     with pytest.raises(InvalidArgument):
         target.truncate("a", 0)
 

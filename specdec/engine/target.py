@@ -129,9 +129,9 @@ class TargetEngine:
         slot = self._ensure_slot(state)
         cached = self.model.length(slot)
         end = state.position if feed_last else state.position - 1
-        # Logits come only from tokens fed now, so at least one token must be fed; a cache longer
-        # than that holds drafted tokens of an aborted call or a tail cut by truncate.
-        limit = end if new_tokens else end - 1
+        # Logits come only from tokens fed now, so at least num_logits tokens must be fed; a cache
+        # longer than that holds drafted tokens of an aborted call or a tail cut by truncate.
+        limit = min(end, end + len(new_tokens) - num_logits)
         if cached > limit:
             self.model.truncate(slot, limit)
             cached = limit
