@@ -71,7 +71,7 @@ class SessionTarget:
         async def attempt(client) -> int | None:
             if start:
                 return await self._start(client, tokens, need_first)
-            held = await self._cut(client, len(tokens))
+            held = await client.truncate(self.session_id, len(tokens))
             new = await client.decode(self.session_id, held, int(need_first), list(tokens[held:]))
             return new[0] if need_first else None
 
@@ -150,17 +150,10 @@ class SessionTarget:
             raise RuntimeError(f"cannot rebuild session {self.session_id} at {position}: {len(tokens)} known")
         if isinstance(error, PositionMismatch) and error.actual > position:
             # An earlier attempt was applied but its answer was lost: undo it and repeat.
-            held = await self._cut(self.client, position)
+            held = await self.client.truncate(self.session_id, position)
             await self.client.decode(self.session_id, held, 0, tokens[held:])
             return
         await self._start(self.client, tokens, need_first=False)
-
-    async def _cut(self, client, length: int) -> int:
-        """Truncate the replica's copy to one token short of `length`; the caller commits the rest
-        again with a Decode. A target's KV cache normally lacks the last committed token (the next
-        call feeds it); Truncate leaves it holding every kept token, and the next Verify could not
-        score the position after them. Re-committing the last token restores the usual state."""
-        return await client.truncate(self.session_id, max(1, length - 1))
 
     async def _start(self, client, tokens: Sequence[int], need_first: bool) -> int | None:
         try:
