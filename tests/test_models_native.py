@@ -166,3 +166,17 @@ def test_logits_are_ordinary_tensors(root):
     logits = model.forward([model.allocate()], [[1, 2, 3]], [2])[0]
     logits[:, 0] = float("-inf")
     assert not logits.is_inference()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_mixed_batch_equals_transformers(root):
+    path = tiny_dir(root, "qwen2")
+    tokens = random_tokens(40)
+    model = native(path, device="cuda")
+    a, b = model.allocate(), model.allocate()
+    model.forward([b], [tokens[:20]], [0])
+    verify, prefill = model.forward([b, a], [tokens[20:25], tokens], [5, 40])
+    want = reference_logits(path, tokens)
+    assert relative_error(prefill.cpu(), want) <= TOL
+    assert relative_error(verify.cpu(), want[20:25]) <= TOL
