@@ -37,3 +37,25 @@ def tiny_model_dir(base: Path, name: str, seed: int, vocab_size: int = 256) -> P
         make_tiny_model(tmp, variant="llama", vocab_size=vocab_size, seed=seed)
         tmp.rename(path)
     return path
+
+
+def start_launcher(args: list[str], log_path: Path, timeout_s: float = 300.0):
+    """`specdec launch ARGS` in the background, as a user runs it. Returns (process, coordinator
+    address read from its log); stop it with SIGINT."""
+    import subprocess
+    import sys
+    import time
+
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "launch", "--port", "0", *args],
+                                cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = log_path.read_text()
+        if "coordinator " in text and " | target" in text:
+            return proc, text.split("coordinator ", 1)[1].split(" |", 1)[0]
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"specdec launch did not come up:\n{text[-3000:]}")
+        time.sleep(0.2)

@@ -9,11 +9,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from service_procs import REPO, tiny_model_dir
+from service_procs import REPO, start_launcher, tiny_model_dir
 from specdec.client import AsyncClient, Client
 from specdec.engine.local import LocalTarget
 from specdec.engine.target import TargetEngine
@@ -62,24 +61,10 @@ def test_launch_with_prompt_prints_the_plain_decoding_answer(models):
 
 @pytest.fixture(scope="module")
 def launched(models, tmp_path_factory):
-    """`specdec launch` in the background, as a user runs it; its coordinator address from the log."""
+    """`specdec launch` in the background, as a user runs it."""
     target, draft = models
     log_path = tmp_path_factory.mktemp("launch") / "launch.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(specdec_cmd("launch", "--target", str(target), "--draft", "ngram", "--port", "0"),
-                                cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, "OMP_NUM_THREADS": "1"})
-    deadline = time.monotonic() + 240
-    address = None
-    while address is None:
-        text = log_path.read_text()
-        if "coordinator " in text and " | target" in text:
-            address = text.split("coordinator ", 1)[1].split(" |", 1)[0]
-        elif proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"launch did not come up:\n{text[-3000:]}")
-        else:
-            time.sleep(0.2)
+    proc, address = start_launcher(["--target", str(target), "--draft", "ngram"], log_path)
     yield address, target
     proc.send_signal(signal.SIGINT)
     assert proc.wait(60) == 0, log_path.read_text()[-3000:]
