@@ -236,6 +236,8 @@ def _gather(cache: torch.Tensor, b: _Batch) -> torch.Tensor:
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)  # one call; same arithmetic order as below
     # Normalise in float32 and cast back before the weight, the order transformers uses, so half
     # precision rounds the same way.
     return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype) * weight
