@@ -40,6 +40,7 @@ class CoordinatorSettings:
     redis_prefix: str = "specdec"
     default_pool: Pool = Pool.SPECULATIVE
     num_draft_tokens: int = 4
+    adaptive_draft_length: bool = True
     retry_draft_after: int = 8
     limits: Limits = Limits()
     session_ttl_s: float = 3600.0
@@ -84,7 +85,11 @@ def add_arguments(parser: argparse.ArgumentParser, environ=os.environ) -> None:
     g.add_argument("--redis-timeout", type=float, default=5.0, help="deadline in seconds of every Redis command")
     g.add_argument("--default-pool", choices=[p.value for p in Pool], default=env("SPECDEC_DEFAULT_POOL", "speculative"),
                    help="pool of a new session whose request names none")
-    g.add_argument("--num-draft-tokens", type=int, default=4, help="draft length when a session names none")
+    g.add_argument("--num-draft-tokens", type=int, default=4,
+                   help="draft length when a request names none (the starting length when adaptive)")
+    g.add_argument("--draft-length", choices=["adaptive", "fixed"], default="adaptive",
+                   help="adaptive: per session, from measured acceptance and costs (requests naming "
+                        "num_draft_tokens get that fixed length); fixed: --num-draft-tokens")
     g.add_argument("--max-draft-tokens", type=int, default=16, help="largest draft length a request may ask for")
     g.add_argument("--retry-draft-after", type=int, default=8,
                    help="plain decoding steps after a draft failure before speculation is tried again")
@@ -114,7 +119,8 @@ def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
         draft_client=client_settings_from_args(args, "draft", max_message_bytes=server.max_message_bytes),
         tokenizer=args.tokenizer, redis_url=args.redis_url, targets=tuple(args.target), drafts=tuple(args.draft),
         redis_prefix=args.redis_prefix, default_pool=Pool(args.default_pool),
-        num_draft_tokens=args.num_draft_tokens, retry_draft_after=args.retry_draft_after,
+        num_draft_tokens=args.num_draft_tokens, adaptive_draft_length=args.draft_length == "adaptive",
+        retry_draft_after=args.retry_draft_after,
         limits=Limits(args.max_new_tokens, args.max_new_tokens_limit, args.max_draft_tokens),
         session_ttl_s=args.session_ttl, owner_lease_s=args.owner_lease, failover_timeout_s=args.failover_timeout,
         redis_timeout_s=args.redis_timeout,

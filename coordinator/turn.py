@@ -65,6 +65,8 @@ class TurnSettings:
     retry_draft_after: int = 8
     heartbeat_s: float = 3.0
     failover_timeout_s: float = 30.0
+    adaptive: bool = True  # a request naming no draft length gets an adaptive one
+    max_adaptive_tokens: int = 8
 
 
 @dataclass(frozen=True)
@@ -183,9 +185,11 @@ class Turn:
             await self._emit([first])
             if reason is not None:
                 return GenerationResult([first], reason, SpeculationStats())
-        k = plan.turn.num_draft_tokens or self.settings.num_draft_tokens
-        loop = SpeculativeLoop(self.target, self.draft, LoopSettings(k, self.settings.retry_draft_after),
-                               self.observer)
+        fixed = plan.turn.num_draft_tokens
+        adaptive = not fixed and self.settings.adaptive
+        loop_settings = LoopSettings(fixed or self.settings.num_draft_tokens, self.settings.retry_draft_after,
+                                     adaptive=adaptive, max_draft_tokens=self.settings.max_adaptive_tokens)
+        loop = SpeculativeLoop(self.target, self.draft, loop_settings, self.observer)
         return await loop.run(self.cursor, self.stop, self._emit)
 
     async def _emit(self, token_ids: list[int]) -> None:

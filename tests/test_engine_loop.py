@@ -44,7 +44,8 @@ def draft_engine(kind: str, dirs) -> DraftEngine | None:
     return DraftEngine(DraftModelProposer(load_model(path, backend="native", num_slots=4, max_context=256)))
 
 
-def run(target: TargetEngine, draft: DraftEngine | None, prompt, params, max_new_tokens=40, k=4, eos=()):
+def run(target: TargetEngine, draft: DraftEngine | None, prompt, params, max_new_tokens=40, k=4, eos=(),
+        settings: LoopSettings | None = None):
     emitted: list[int] = []
 
     async def emit(tokens):
@@ -53,7 +54,7 @@ def run(target: TargetEngine, draft: DraftEngine | None, prompt, params, max_new
     session_id = uuid.uuid4().hex
     stop = StopChecker(max_new_tokens, eos)
     result = asyncio.run(generate(LocalTarget(target), LocalDraft(draft) if draft else None, session_id,
-                                  prompt, params, stop, emit, LoopSettings(num_draft_tokens=k)))
+                                  prompt, params, stop, emit, settings or LoopSettings(num_draft_tokens=k)))
     assert emitted == result.token_ids
     committed = target.committed_tokens(session_id)
     assert committed == list(prompt) + result.token_ids  # the target holds exactly what was emitted

@@ -38,7 +38,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--draft", default=None,
                         help="'ngram', 'none', a registry name or an HF directory (default: the "
                              "packaged draft if present, else ngram)")
-    parser.add_argument("--num-draft-tokens", "-k", type=int, default=4)
+    parser.add_argument("--num-draft-tokens", "-k", type=int, default=4,
+                        help="draft length (the starting one with --draft-length adaptive)")
+    parser.add_argument("--draft-length", choices=["adaptive", "fixed"], default="adaptive")
     parser.add_argument("--backend", choices=["native", "hf", "auto"], default="native")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
@@ -67,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
     draft = args.draft or default_draft()
     system = LocalSystem(LocalSettings(target=args.target, draft=draft, backend=args.backend,
                                        device=args.device, dtype=args.dtype,
-                                       num_draft_tokens=args.num_draft_tokens))
+                                       num_draft_tokens=args.num_draft_tokens,
+                                       adaptive=args.draft_length == "adaptive"))
     prompt_ids = system.encode(args.prompt, raw=args.raw)
     stream = None if args.json else (lambda text: print(text, end="", flush=True))
     result = asyncio.run(system.generate(prompt_ids, params, args.max_new_tokens, args.stop, stream))

@@ -39,6 +39,7 @@ class LocalSettings:
     num_slots: int = 4
     max_context: int | None = None
     num_draft_tokens: int = 4
+    adaptive: bool = True  # adapt the draft length per session (specdec.generation.adaptive)
     top_m: int = 64
 
 
@@ -108,7 +109,8 @@ class LocalSystem:
         target = LocalTarget(self.target_engine)
         try:
             result = await generate(target, draft, session_id, prompt_ids, params, stop, emit,
-                                    LoopSettings(num_draft_tokens=self.settings.num_draft_tokens))
+                                    LoopSettings(num_draft_tokens=self.settings.num_draft_tokens,
+                                                 adaptive=self.settings.adaptive))
         finally:
             self.target_engine.end_session(session_id)
             if self.draft_engine is not None:

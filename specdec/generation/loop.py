@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable, ContextManager, Sequence
 
 from specdec.engine.api import DraftAPI, TargetAPI
+from specdec.generation.adaptive import DraftLengthPolicy
 from specdec.generation.stats import SpeculationStats
 from specdec.generation.stopping import FinishReason, StopChecker
 from specdec.sampling.params import SamplingParams
@@ -31,8 +32,10 @@ TokenSink = Callable[[list[int]], Awaitable[None]]
 
 @dataclass
 class LoopSettings:
-    num_draft_tokens: int = 4
+    num_draft_tokens: int = 4  # the draft length, or the starting one when adaptive
     retry_draft_after: int = 8  # plain cycles before speculation is tried again after a draft failure
+    adaptive: bool = False  # adapt the draft length to measured acceptance and costs (adaptive.py)
+    max_draft_tokens: int = 8  # the longest draft adaptation may choose
 
 
 @dataclass
@@ -91,6 +94,9 @@ class SpeculativeLoop:
         self.draft = draft
         self.settings = settings or LoopSettings()
         self.observer = observer or LoopObserver()
+        self.policy: DraftLengthPolicy | None = None
+        if self.settings.adaptive and draft is not None:
+            self.policy = DraftLengthPolicy(self.settings.num_draft_tokens, self.settings.max_draft_tokens)
 
     async def run(self, cursor: SessionCursor, stop: StopChecker, emit: TokenSink) -> GenerationResult:
         """Generate after the cursor's committed sequence until `stop` says so; emit every token
@@ -128,7 +134,8 @@ class SpeculativeLoop:
     def _draft_length(self, cursor: SessionCursor, stop: StopChecker) -> int:
         # Never draft past the budget or the context: a cycle commits up to k + 1 tokens.
         room = cursor.max_context - cursor.position - 1
-        return max(0, min(self.settings.num_draft_tokens, stop.remaining - 1, room))
+        wanted = self.policy.next_k() if self.policy else self.settings.num_draft_tokens
+        return max(0, min(wanted, stop.remaining - 1, room))
 
     async def _speculate(self, cursor: SessionCursor, k: int, stats: SpeculationStats) -> list[int] | None:
         started = time.perf_counter()
@@ -144,8 +151,12 @@ class SpeculativeLoop:
         stats.draft_seconds += drafted_at - started
         with self.observer.step("verify"):
             outcome = await self.target.verify(cursor.session_id, cursor.position, proposal.block, proposal.epoch)
-        stats.verify_seconds += time.perf_counter() - drafted_at
+        verified_at = time.perf_counter()
+        stats.verify_seconds += verified_at - drafted_at
         stats.record(outcome)
+        if self.policy:
+            self.policy.observe_cycle(outcome.num_drafted, outcome.num_accepted, drafted_at - started,
+                                      verified_at - drafted_at)
         self.observer.verified(outcome, proposal.proposer)
         new_tokens = proposal.block.token_ids[: outcome.num_accepted].tolist() + [outcome.next_token]
         cursor.tokens.extend(new_tokens)
@@ -184,8 +195,11 @@ class SpeculativeLoop:
         started = time.perf_counter()
         with self.observer.step("decode"):
             new_tokens = await self.target.decode(cursor.session_id, cursor.position, 1)
-        stats.decode_seconds += time.perf_counter() - started
+        elapsed = time.perf_counter() - started
+        stats.decode_seconds += elapsed
         stats.decode_steps += 1
+        if self.policy:
+            self.policy.observe_plain(elapsed)
         cursor.tokens.extend(new_tokens)
         return new_tokens
 

@@ -1,0 +1,114 @@
+"""Adaptive draft length per session: maximise expected tokens per unit of time.
+
+Leviathan et al. (2023, sec. 3.3): with per-token acceptance a, a cycle that drafts k tokens
+commits E(k) = (1 - a^(k+1)) / (1 - a) tokens on average and costs k * t_draft + t_verify(k + 1).
+Plain decoding commits 1 token per t_plain. We pick the k (0 = plain decoding) with the highest
+E(k) / cost(k), from a, t_draft, t_verify and t_plain measured on this session; so a draft that
+stops paying (low acceptance, a loaded target whose verify grows with k) is shrunk or switched off,
+and re-probed every `probe_every` plain cycles in case the text became predictable again.
+
+Pure bookkeeping: no I/O, no clocks. The loop reports what each cycle cost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """E(k) = 1 + a + ... + a^k: tokens a cycle of k drafted tokens commits on average."""
+    if acceptance >= 1.0:
+        return float(k + 1)
+    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+
+
+@dataclass
+class DraftLengthPolicy:
+    initial: int = 4
+    max_tokens: int = 8
+    decay: float = 0.9  # weight of the past in every running estimate (recent text matters most)
+    warmup_cycles: int = 3  # speculative cycles at `initial` before adapting
+    probe_every: int = 16  # plain cycles between re-probes once speculation is off
+    prior_acceptance: float = 0.5
+    # Running estimates (exponentially weighted).
+    _accepted: float = 0.0  # accepted draft tokens
+    _trials: float = 0.0  # acceptance tests: accepted tokens + rejections
+    _draft_s: float | None = None  # seconds per drafted token
+    _plain_s: float | None = None  # seconds per plain decoding step
+    _verify_s: dict[int, float] = field(default_factory=dict)  # tokens verified (k + 1) -> seconds
+    _cycles: int = 0
+    _plain_since_probe: int = 0
+    _current: int = 0
+
+    def __post_init__(self) -> None:
+        self._current = max(0, min(self.initial, self.max_tokens))
+
+    @property
+    def acceptance(self) -> float:
+        # Each cycle runs acceptance tests until the first rejection: accepted / trials estimates
+        # the per-token acceptance rate without the bias of counting only accepted tokens.
+        prior = 2.0  # pseudo-trials of prior_acceptance, so two lucky cycles don't mean a = 1
+        return (self._accepted + prior * self.prior_acceptance) / (self._trials + prior)
+
+    def next_k(self) -> int:
+        """How many tokens to draft in the next cycle (0: decode plainly)."""
+        if self._current == 0:
+            if self._plain_since_probe >= self.probe_every:
+                self._plain_since_probe = 0
+                return max(1, min(self.initial, self.max_tokens))  # one probe cycle
+            return 0
+        return self._current
+
+    def observe_cycle(self, k: int, num_accepted: int, draft_s: float, verify_s: float) -> None:
+        rejected = 1 if num_accepted < k else 0
+        self._accepted = self.decay * self._accepted + num_accepted
+        self._trials = self.decay * self._trials + num_accepted + rejected
+        if k > 0:
+            self._draft_s = self._ewma(self._draft_s, draft_s / k)
+        self._verify_s[k + 1] = self._ewma(self._verify_s.get(k + 1), verify_s)
+        self._cycles += 1
+        if self._cycles >= self.warmup_cycles:
+            self._current = self.best_k()
+
+    def observe_plain(self, step_s: float) -> None:
+        self._plain_s = self._ewma(self._plain_s, step_s)
+        self._plain_since_probe += 1
+
+    def best_k(self) -> int:
+        """argmax over k in [0, max_tokens] of E(k) / cost(k); 0 wins when drafting doesn't pay."""
+        plain = self._plain_cost()
+        if plain is None or self._draft_s is None:
+            return self._current
+        a = self.acceptance
+        best_k, best_rate = 0, 1.0 / plain
+        for k in range(1, self.max_tokens + 1):
+            rate = expected_tokens(a, k) / (k * self._draft_s + self.verify_cost(k + 1))
+            if rate > best_rate * 1.0001:  # ties go to the shorter draft
+                best_k, best_rate = k, rate
+        return best_k
+
+    def verify_cost(self, num_tokens: int) -> float:
+        """Seconds to verify num_tokens: measured, or interpolated linearly between measured sizes.
+
+        Beyond the measured range a verify is assumed to grow by 5% of a step per extra token:
+        cautious on CPUs (a forward of more tokens costs more) and nearly flat as on GPUs."""
+        known = sorted(self._verify_s.items())
+        if num_tokens in self._verify_s:
+            return self._verify_s[num_tokens]
+        below = [(n, t) for n, t in known if n < num_tokens]
+        above = [(n, t) for n, t in known if n > num_tokens]
+        if below and above:
+            (n0, t0), (n1, t1) = below[-1], above[0]
+            return t0 + (t1 - t0) * (num_tokens - n0) / (n1 - n0)
+        n0, t0 = (below[-1] if below else above[0])
+        return max(t0 * (1.0 + 0.05 * (num_tokens - n0)), 1e-9)
+
+    def _plain_cost(self) -> float | None:
+        if self._plain_s is not None:
+            return self._plain_s
+        if self._verify_s:  # a 1-token verify is a plain step; estimate it from what was seen
+            return self.verify_cost(1)
+        return None
+
+    def _ewma(self, old: float | None, new: float) -> float:
+        return new if old is None else self.decay * old + (1.0 - self.decay) * new
