@@ -17,6 +17,7 @@ from specdec.errors import EpochMismatch, InvalidArgument, PositionMismatch
 from specdec.models.base import ModelInfo
 from specdec.proposers.base import Proposer
 from specdec.sampling.params import SamplingParams
+from specdec.types import DraftBlock
 
 
 @dataclass
@@ -59,6 +60,20 @@ class DraftEngine:
         num_draft_tokens: int,
         parent_epoch: int = 0,
     ) -> Proposal:
+        state = self.begin_propose(session_id, keep_position, append_token_ids, num_draft_tokens, parent_epoch)
+        block = self.proposer.propose(state.proposer_state, state.tokens, num_draft_tokens, state.params)
+        return self.finish_propose(state, block)
+
+    def begin_propose(
+        self,
+        session_id: str,
+        keep_position: int,
+        append_token_ids: Sequence[int],
+        num_draft_tokens: int,
+        parent_epoch: int = 0,
+    ) -> DraftSession:
+        """Check a Propose and apply its accept/rollback message; drafting comes next (alone, or
+        batched with other sessions' Proposes by specdec.engine.draft_batch)."""
         state = self.sessions.get(session_id)
         if not 0 <= num_draft_tokens <= self.max_draft_tokens:
             raise InvalidArgument(
@@ -73,7 +88,10 @@ class DraftEngine:
         self._cut(state, keep_position)
         state.tokens.extend(int(t) for t in append_token_ids)
         state.committed = state.position
-        block = self.proposer.propose(state.proposer_state, state.tokens, num_draft_tokens, state.params)
+        return state
+
+    def finish_propose(self, state: DraftSession, block: DraftBlock) -> Proposal:
+        """Record a drafted block as the session's newest proposal."""
         state.epoch += 1
         proposal = Proposal(state.epoch, state.position, block, self.proposer.name)
         state.tokens.extend(block.token_ids.tolist())

@@ -126,6 +126,13 @@ class TargetEngine:
         self, state: SessionState, new_tokens: list[int], num_logits: int, feed_last: bool = True
     ) -> torch.Tensor:
         """Feed the committed tokens the cache lacks, then new_tokens; return the last logits."""
+        slot, feed = self._feed(state, new_tokens, num_logits, feed_last)
+        return self.model.forward([slot], [feed], [num_logits])[0]
+
+    def _feed(
+        self, state: SessionState, new_tokens: list[int], num_logits: int, feed_last: bool = True
+    ) -> tuple[int, list[int]]:
+        """The session's slot and the row to feed it (one row of a batched forward, batch.py)."""
         slot = self._ensure_slot(state)
         cached = self.model.length(slot)
         end = state.position if feed_last else state.position - 1
@@ -135,8 +142,7 @@ class TargetEngine:
         if cached > limit:
             self.model.truncate(slot, limit)
             cached = limit
-        feed = state.tokens[cached:end] + new_tokens
-        return self.model.forward([slot], [feed], [num_logits])[0]
+        return slot, state.tokens[cached:end] + new_tokens
 
     def _ensure_slot(self, state: SessionState) -> int:
         if state.slot is not None:

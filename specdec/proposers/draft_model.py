@@ -3,13 +3,14 @@
 Each drafted token comes with the exact distribution it was sampled from (the draft's logits warped
 with the request's parameters, optionally cut to its top_m entries and renormalised). Sending
 exactly that distribution is what keeps verification lossless (Leviathan et al. 2023, sec. 2.3).
+propose_batch drafts for many sessions together (the draft service's continuous batching).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Collection, Sequence
 
 from specdec.errors import CacheFull, InvalidArgument
 from specdec.models.base import CausalLM, ModelInfo
@@ -24,6 +25,30 @@ import torch
 class _DraftSlot:
     session_id: str
     slot: int | None = None
+
+
+ProposeRequest = tuple[_DraftSlot, Sequence[int], int, SamplingParams]  # propose()'s arguments
+
+
+@dataclass
+class _Drafting:
+    """One session's proposal while a batch drafts it."""
+
+    index: int  # in the batch
+    state: _DraftSlot
+    token_ids: Sequence[int]  # the session's sequence so far
+    num_tokens: int
+    params: SamplingParams
+    feed: list[int] = field(default_factory=list)  # tokens the next forward appends to its slot
+    drafted: list[int] = field(default_factory=list)
+    sparse: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (ids [m], probs [m])
+
+    def block(self) -> DraftBlock:
+        token_ids = torch.tensor(self.drafted, dtype=torch.long)
+        if self.params.greedy:  # a greedy draft is a point mass: nothing to send
+            return DraftBlock(token_ids=token_ids)
+        prob_ids, draft_probs = pack_sparse(self.sparse)
+        return DraftBlock(token_ids=token_ids, draft_prob_ids=prob_ids, draft_probs=draft_probs)
 
 
 class DraftModelProposer:
@@ -57,31 +82,70 @@ class DraftModelProposer:
     def propose(
         self, state: _DraftSlot, token_ids: Sequence[int], num_tokens: int, params: SamplingParams
     ) -> DraftBlock:
-        # The last drafted token needs no forward, hence the + 1: room for len + num_tokens - 1.
-        num_tokens = min(num_tokens, self.model.info.max_context - len(token_ids) + 1)
-        if num_tokens <= 0 or not token_ids:
-            return DraftBlock.empty()
-        slot = self._ensure_slot(state)
-        cached = self.model.length(slot)
-        if cached >= len(token_ids):  # logits after the last token need that token fed again
-            cached = len(token_ids) - 1
-            self.model.truncate(slot, cached)
-        feed = list(token_ids[cached:])
-        drafted: list[int] = []
-        rows: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for i in range(num_tokens):
-            logits = self.model.forward([slot], [feed], [1])[0][-1]  # [vocab]
-            token, ids, probs = sample_draft_token(logits, params, len(token_ids) + i, self.top_m)
-            drafted.append(token)
-            rows.append((ids, probs))
-            feed = [token]
-        token_tensor = torch.tensor(drafted, dtype=torch.long)
-        if params.greedy:  # a greedy draft is a point mass: nothing to send
-            return DraftBlock(token_ids=token_tensor)
-        prob_ids, draft_probs = pack_sparse(rows)
-        return DraftBlock(token_ids=token_tensor, draft_prob_ids=prob_ids, draft_probs=draft_probs)
+        result = self.propose_batch([(state, token_ids, num_tokens, params)])[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
 
-    def _ensure_slot(self, state: _DraftSlot) -> int:
+    def propose_batch(self, requests: Sequence[ProposeRequest]) -> list[DraftBlock | Exception]:
+        """propose() for many sessions at once: step t of every proposal still drafting runs in one
+        forward (proposals differ in length and position; each row is sampled with its own
+        parameters at its own position), so the tokens and distributions are those of propose()
+        one session at a time. Item i's block, or its own exception, is at index i."""
+        results: list[DraftBlock | Exception] = [DraftBlock.empty()] * len(requests)
+        pending = []
+        for index, (state, token_ids, num_tokens, params) in enumerate(requests):
+            # The last drafted token needs no forward, hence the + 1: room for len + num_tokens - 1.
+            num_tokens = min(num_tokens, self.model.info.max_context - len(token_ids) + 1)
+            if num_tokens > 0 and token_ids:
+                pending.append(_Drafting(index, state, token_ids, num_tokens, params))
+        while pending:
+            pending = self._draft_round(pending, results)
+        return results
+
+    def _draft_round(self, pending: list[_Drafting], results: list) -> list[_Drafting]:
+        """Draft the proposals that get a KV slot; return those left for the next round."""
+        busy = {d.state.session_id for d in pending}  # never evict a row of the same batch
+        ready, full = [], []
+        for d in pending:
+            try:
+                self._ensure_slot(d.state, busy)
+                ready.append(d)
+            except CacheFull as exc:
+                full.append((d, exc))
+        if not ready:
+            for d, exc in full:
+                results[d.index] = exc
+            return []
+        try:
+            self._draft_steps(ready)
+        except Exception as exc:  # noqa: BLE001 - a failed forward fails its rows, not the others
+            for d in ready:
+                results[d.index] = exc
+        else:
+            for d in ready:
+                results[d.index] = d.block()
+        return [d for d, _ in full]  # the ready rows' slots are evictable again now
+
+    def _draft_steps(self, rows: list[_Drafting]) -> None:
+        for d in rows:
+            cached = self.model.length(d.state.slot)
+            if cached >= len(d.token_ids):  # logits after the last token need that token fed again
+                cached = len(d.token_ids) - 1
+                self.model.truncate(d.state.slot, cached)
+            d.feed = list(d.token_ids[cached:])
+        for _ in range(max(d.num_tokens for d in rows)):
+            active = [d for d in rows if len(d.drafted) < d.num_tokens]
+            logits = self.model.forward([d.state.slot for d in active], [d.feed for d in active],
+                                        [1] * len(active))  # len(active) x [1, vocab]
+            for d, row_logits in zip(active, logits):
+                position = len(d.token_ids) + len(d.drafted)
+                token, ids, probs = sample_draft_token(row_logits[-1], d.params, position, self.top_m)
+                d.drafted.append(token)
+                d.sparse.append((ids, probs))
+                d.feed = [token]
+
+    def _ensure_slot(self, state: _DraftSlot, busy: Collection[str] = ()) -> int:
         self._open.move_to_end(state.session_id)
         if state.slot is not None:
             return state.slot
@@ -91,7 +155,8 @@ class DraftModelProposer:
                 return state.slot
             except CacheFull:
                 # Evict the least recently used other session: it re-feeds its tokens when next used.
-                victim = next((s for s in self._open.values() if s.slot is not None and s is not state), None)
+                victim = next((s for s in self._open.values()
+                               if s.slot is not None and s is not state and s.session_id not in busy), None)
                 if victim is None:
                     raise
                 self.model.free(victim.slot)

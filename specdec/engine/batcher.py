@@ -1,0 +1,167 @@
+"""Continuous batching: concurrent requests join the next batched engine step.
+
+A request enqueues its work item and awaits a future. One worker task takes everything queued (up to
+max_batch_size items), runs the batched step (specdec.engine.batch / draft_batch) on the model
+thread, resolves the futures and repeats, so a request that arrives while a step runs joins the
+next one. Nothing waits for a batch to fill: a lone request starts at once as a batch of one, so
+latency at low load stays that of an unbatched call; batch_wait_s > 0 optionally holds a non-full
+batch that long to gather more (a trade of latency for throughput, off by default).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import time
+from collections import deque
+from typing import Any, Callable, Collection, Generic, Protocol, Sequence, TypeVar
+
+from specdec.engine.batch import DecodeWork
+from specdec.errors import ServiceUnavailable
+
+log = logging.getLogger(__name__)
+
+W = TypeVar("W")
+R = TypeVar("R")
+Step = Callable[[list], list]  # works -> one result or exception per work, on the model thread
+StepObserver = Callable[[list, list, float], None]  # (works, results, seconds) after each step
+
+
+class ModelThread(Protocol):
+    """Where steps run: specdec.server's ModelExecutor (the engine layer never imports servers)."""
+
+    async def run(self, fn: Callable[..., Any], /, *args: Any) -> Any: ...
+
+
+class Batcher(Generic[W, R]):
+    def __init__(
+        self,
+        executor: ModelThread,
+        step: Step,
+        *,
+        max_batch_size: int = 16,
+        batch_wait_s: float = 0.0,
+        on_step: StepObserver | None = None,
+    ):
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.executor = executor
+        self.step = step
+        self.max_batch_size = max_batch_size
+        self.batch_wait_s = batch_wait_s
+        self.on_step = on_step
+        self._queue: deque[tuple[W, asyncio.Future]] = deque()
+        self._wakeup: asyncio.Event | None = None
+        self._worker: asyncio.Task | None = None
+        self._closed = False
+
+    @property
+    def queued(self) -> int:
+        """Work items waiting for a step (the load a new request would queue behind)."""
+        return len(self._queue)
+
+    async def submit(self, work: W) -> R:
+        """Run `work` in the next step; its result, or its own exception raised here."""
+        if self._closed:
+            raise ServiceUnavailable("the service is shutting down")
+        future = asyncio.get_running_loop().create_future()
+        self._queue.append((work, future))
+        self._start_worker()
+        self._wakeup.set()
+        return await future
+
+    async def aclose(self) -> None:
+        """Stop the worker; queued work fails with ServiceUnavailable (a running step finishes on
+        the model thread, its callers are told the same)."""
+        self._closed = True
+        if self._worker is not None:
+            self._worker.cancel()
+            try:
+                await self._worker
+            except asyncio.CancelledError:
+                pass
+        while self._queue:
+            _, future = self._queue.popleft()
+            if not future.done():
+                future.set_exception(ServiceUnavailable("the service is shutting down"))
+
+    def _start_worker(self) -> None:
+        if self._worker is None:
+            self._wakeup = asyncio.Event()
+            # A fresh context: steps must not run inside the first caller's trace span.
+            self._worker = asyncio.get_running_loop().create_task(self._work(), context=contextvars.Context())
+
+    async def _work(self) -> None:
+        while True:
+            while not self._queue:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+            if self.batch_wait_s > 0 and len(self._queue) < self.max_batch_size:
+                await asyncio.sleep(self.batch_wait_s)
+            batch = self._take()
+            if batch:
+                await self._run(batch)
+
+    def _take(self) -> list[tuple[W, asyncio.Future]]:
+        """Up to max_batch_size queued items, oldest first; callers that gave up are skipped."""
+        batch = []
+        while self._queue and len(batch) < self.max_batch_size:
+            work, future = self._queue.popleft()
+            if not future.done():  # cancelled while queued: the work never starts
+                batch.append((work, future))
+        return batch
+
+    async def _run(self, batch: list[tuple[W, asyncio.Future]]) -> None:
+        works = [work for work, _ in batch]
+        started = time.perf_counter()
+        try:
+            results = await self.executor.run(self.step, works)
+            if len(results) != len(works):
+                raise RuntimeError(f"a batched step returned {len(results)} results for {len(works)} works")
+        except asyncio.CancelledError:
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(ServiceUnavailable("the service is shutting down"))
+            raise
+        except Exception as exc:  # noqa: BLE001 - the step itself failed: every item of it did
+            log.exception("batched step of %d items failed", len(works))
+            results = [exc] * len(works)
+        elapsed = time.perf_counter() - started
+        for (_, future), result in zip(batch, results):
+            if future.done():  # the caller gave up while the step ran
+                continue
+            if isinstance(result, BaseException):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+        if self.on_step is not None:
+            try:
+                self.on_step(works, results, elapsed)
+            except Exception:  # noqa: BLE001 - metrics must never stop the worker
+                log.exception("batch step observer failed")
+
+
+async def decode_steps(
+    batcher: Batcher,
+    session_id: str,
+    position: int,
+    num_tokens: int,
+    append_token_ids: Sequence[int] = (),
+    stop_token_ids: Collection[int] = (),
+) -> list[int]:
+    """A multi-token Decode as a sequence of one-token steps, each joining whatever batch runs next.
+
+    The first step commits append_token_ids and checks that the whole budget fits the context (as
+    engine.decode does); decoding ends after num_tokens tokens or right after a stop token (which
+    is committed, like the others)."""
+    stop = frozenset(stop_token_ids)
+    first = DecodeWork(session_id, position, tuple(int(t) for t in append_token_ids),
+                       num_tokens=min(num_tokens, 1), room=num_tokens)
+    generated: list[int] = await batcher.submit(first)
+    position += len(first.append_token_ids) + len(generated)
+    while len(generated) < num_tokens and generated[-1] not in stop:
+        step = DecodeWork(session_id, position, num_tokens=1, room=num_tokens - len(generated))
+        generated += await batcher.submit(step)
+        position += 1
+    return generated
