@@ -10,16 +10,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
-import os
 import signal
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
-from specdec.errors import SpecDecError
-from specdec.server.settings import ConfigError
+from specdec.server import service
 
 from coordinator.settings import CoordinatorSettings, add_arguments, settings_from_args
 
@@ -110,7 +105,7 @@ async def serve_coordinator(settings: CoordinatorSettings, tracer_provider=None)
                        registry=registry, error_codes=ERROR_CODES)
     await host.start()
     if settings.ready_file is not None:
-        write_ready_file(settings.ready_file, host)
+        service.write_ready_file(settings.ready_file, host)
     loop = asyncio.get_running_loop()
     tasks = [loop.create_task(check_static_replicas(coordinator, settings))]
 
@@ -147,47 +142,17 @@ async def check_static_replicas(coordinator: Coordinator, settings: CoordinatorS
         return
 
 
-def write_ready_file(path: Path, host) -> None:
-    """Atomically: a reader never sees half a file."""
-    ports = {"pid": os.getpid(), "port": host.port, "health_port": host.health_port,
-             "metrics_port": host.metrics_port}
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(ports))
-    tmp.replace(path)
-
-
 def run(settings: CoordinatorSettings) -> int:
-    from specdec.observability.tracing import setup_tracing
-
-    tracing = settings.server.tracing
-    provider = setup_tracing(tracing.service_name, tracing.sampling_ratio)
-    try:
-        asyncio.run(serve_coordinator(settings, provider))
-    finally:
-        provider.shutdown()
-    return 0
+    return service.run_traced(settings.server, lambda provider: serve_coordinator(settings, provider))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m coordinator", description=DESCRIPTION, allow_abbrev=False)
-    add_arguments(parser)
-    return parser
+    return service.build_parser("python -m coordinator", DESCRIPTION, add_arguments, allow_abbrev=False)
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    try:
-        settings = settings_from_args(args)
-    except ConfigError as exc:
-        print(f"coordinator: {exc}", file=sys.stderr)
-        return 2
-    try:
-        return run(settings)
-    except SpecDecError as exc:  # an unknown tokenizer, say: no traceback
-        print(f"coordinator: {exc}", file=sys.stderr)
-        return 1
+    return service.run_from_args(args, "coordinator", settings_from_args, run)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return run_from_args(args)
+    return service.main(build_parser(), run_from_args, argv)

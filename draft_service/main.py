@@ -12,15 +12,14 @@ SIGTERM (graceful). Heavy imports happen in run(), so `--help` stays fast.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdec.errors import SpecDecError
+from specdec.server import service
 from specdec.server.settings import ConfigError, ServerSettings, add_server_arguments, server_settings_from_args
+from specdec.server.tokenizer_info import tokenizer_facts
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +33,6 @@ DESCRIPTION = (
 PROPOSERS = ("draft-model", "ngram")
 DEFAULT_PORT = 50053
 DEFAULT_METRICS_PORT = 9103
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 @dataclass(frozen=True)
@@ -61,10 +59,7 @@ class DraftServiceSettings:
             raise ConfigError(f"--proposer must be one of {', '.join(PROPOSERS)}, got {self.proposer!r}")
         if self.proposer == "draft-model" and not self.model:
             raise ConfigError("--proposer draft-model needs --model NAME_OR_DIR (or use --proposer ngram)")
-        if self.num_slots < 1:
-            raise ConfigError(f"--num-slots must be >= 1, got {self.num_slots}")
-        if self.max_context is not None and self.max_context < 2:
-            raise ConfigError(f"--max-context must be >= 2 tokens, got {self.max_context}")
+        service.check_model_settings(self.num_slots, self.max_context, self.session_ttl_s)
         if self.top_m < 0:
             raise ConfigError(f"--top-m must be >= 0 (0 = the full distribution), got {self.top_m}")
         if not 1 <= self.ngram_min <= self.ngram_max:
@@ -74,8 +69,6 @@ class DraftServiceSettings:
                 f"need 1 <= --num-draft-tokens <= --max-draft-tokens, got {self.num_draft_tokens}, "
                 f"{self.max_draft_tokens}"
             )
-        if not self.session_ttl_s > 0:
-            raise ConfigError(f"--session-ttl must be > 0 seconds, got {self.session_ttl_s}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -87,43 +80,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer", default=env("SPECDEC_DRAFT_TOKENIZER"),
                    help="registry name or directory whose tokenizer GetInfo describes (default: the model's; "
                         "for ngram pass the target's)")
-    g.add_argument("--backend", choices=["native", "hf", "auto"], default="native")
-    g.add_argument("--device", default="cpu")
-    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    g.add_argument("--num-slots", type=int, default=8, help="draft KV cache slots (idle sessions are evicted)")
-    g.add_argument("--max-context", type=int, default=None, help="tokens per session (default: the model's)")
     g.add_argument("--top-m", type=int, default=64,
                    help="entries of each draft distribution kept and sent (0 = all)")
     g.add_argument("--ngram-max", type=int, default=3, help="longest n-gram to match (--proposer ngram)")
     g.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram to match (--proposer ngram)")
     g.add_argument("--num-draft-tokens", type=int, default=4, help="draft length when a request names none")
     g.add_argument("--max-draft-tokens", type=int, default=16, help="most tokens one Propose may draft")
-    g.add_argument("--session-ttl", type=float, default=600.0, help="seconds before an idle session expires")
-    g.add_argument("--ready-file", type=Path, default=None,
-                   help="write the bound ports as JSON here once serving (launchers and tests)")
+    service.add_model_arguments(g, num_slots_help="draft KV cache slots (idle sessions are evicted)")
     add_server_arguments(parser, port=DEFAULT_PORT, metrics_port=DEFAULT_METRICS_PORT)
 
 
 def settings_from_args(args: argparse.Namespace) -> DraftServiceSettings:
     return DraftServiceSettings(
         server=server_settings_from_args(args, service=SERVICE),
-        proposer=args.proposer, model=args.model, tokenizer=args.tokenizer, backend=args.backend,
-        device=args.device, dtype=args.dtype, num_slots=args.num_slots, max_context=args.max_context,
-        top_m=args.top_m, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
-        num_draft_tokens=args.num_draft_tokens, max_draft_tokens=args.max_draft_tokens,
-        session_ttl_s=args.session_ttl, ready_file=args.ready_file,
+        proposer=args.proposer, model=args.model, tokenizer=args.tokenizer, top_m=args.top_m,
+        ngram_max=args.ngram_max, ngram_min=args.ngram_min, num_draft_tokens=args.num_draft_tokens,
+        max_draft_tokens=args.max_draft_tokens, **service.model_settings_from_args(args),
     )
-
-
-def tokenizer_facts(directory: Path | None) -> tuple[str, tuple[int, ...]]:
-    """(vocab fingerprint, eos ids) of the tokenizer in `directory`; empty when there is none."""
-    if directory is None or not any((directory / name).is_file() for name in TOKENIZER_FILES):
-        log.warning("no tokenizer (%s): GetInfo reports an empty vocab fingerprint", directory)
-        return "", ()
-    from specdec.models.tokenizer import eos_token_ids, load_tokenizer, vocab_fingerprint
-
-    tokenizer = load_tokenizer(directory)
-    return vocab_fingerprint(tokenizer), tuple(sorted(eos_token_ids(tokenizer, directory)))
 
 
 def build_engine(settings: DraftServiceSettings):
@@ -135,7 +108,7 @@ def build_engine(settings: DraftServiceSettings):
 
     model_dir = resolve_model(settings.model) if settings.model else None
     tokenizer_dir = resolve_model(settings.tokenizer) if settings.tokenizer else model_dir
-    fingerprint, eos_ids = tokenizer_facts(tokenizer_dir)
+    tokenizer = tokenizer_facts(tokenizer_dir)
     if settings.proposer == "ngram":
         from specdec.proposers.ngram import NgramProposer
 
@@ -153,86 +126,39 @@ def build_engine(settings: DraftServiceSettings):
         proposer = DraftModelProposer(model, top_m=settings.top_m)
         info, top_m = model.info, settings.top_m
     engine = DraftEngine(proposer, idle_ttl_s=settings.session_ttl_s, max_draft_tokens=settings.max_draft_tokens)
-    config = DraftServiceConfig(info, fingerprint, eos_ids, settings.num_draft_tokens, top_m, info.max_context)
+    config = DraftServiceConfig(info, tokenizer.vocab_fingerprint, tokenizer.eos_token_ids, settings.num_draft_tokens,
+                                top_m, info.max_context)
     return engine, config
-
-
-def write_ready_file(path: Path, host) -> None:
-    """Atomically: a reader never sees half a file."""
-    ports = {"pid": os.getpid(), "port": host.port, "health_port": host.health_port,
-             "metrics_port": host.metrics_port}
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(ports))
-    tmp.replace(path)
 
 
 async def serve_draft(settings: DraftServiceSettings, engine, config, tracer_provider=None) -> None:
     """Serve `engine` until SIGTERM / SIGINT; returns after the graceful shutdown."""
-    import asyncio
-
     from draft_service.servicer import DRAFT_SERVICE_NAME, DraftServicer
-    from specdec.observability.metrics import DraftMetrics, new_registry
+    from specdec.observability.metrics import DraftMetrics
     from specdec.rpc import draft_pb2_grpc
-    from specdec.server.bootstrap import ModelExecutor, serve
 
-    registry = new_registry()
-    executor = ModelExecutor("draft-model")
-    servicer = DraftServicer(engine, executor, DraftMetrics(registry), config)
-    tasks: list[asyncio.Task] = []
+    def build_servicer(executor, registry) -> DraftServicer:
+        return DraftServicer(engine, executor, DraftMetrics(registry), config)
 
-    def register(server):
-        draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)
-        return [DRAFT_SERVICE_NAME]
-
-    def started(host) -> None:
-        interval = min(max(settings.session_ttl_s / 4, 0.25), 30.0)
-        tasks.append(asyncio.get_running_loop().create_task(servicer.expire_idle_sessions(interval)))
-        if settings.ready_file is not None:
-            write_ready_file(settings.ready_file, host)
-
-    def stop_tasks() -> None:
-        for task in tasks:
-            task.cancel()
-
-    await serve(settings.server, register, on_shutdown=[stop_tasks, executor.aclose],
-                tracer_provider=tracer_provider, registry=registry, on_started=started)
+    await service.serve_model_service(
+        settings.server, build_servicer, draft_pb2_grpc.add_DraftServiceServicer_to_server, DRAFT_SERVICE_NAME,
+        executor_name="draft-model", session_ttl_s=settings.session_ttl_s, ready_file=settings.ready_file,
+        tracer_provider=tracer_provider,
+    )
 
 
 def run(settings: DraftServiceSettings) -> int:
-    import asyncio
-
-    from specdec.observability.tracing import setup_tracing
-
     engine, config = build_engine(settings)
-    tracing = settings.server.tracing
-    provider = setup_tracing(tracing.service_name, tracing.sampling_ratio)
-    try:
-        asyncio.run(serve_draft(settings, engine, config, provider))
-    finally:
-        provider.shutdown()
-    return 0
+    return service.run_traced(settings.server, lambda provider: serve_draft(settings, engine, config, provider))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m draft_service", description=DESCRIPTION)
-    add_arguments(parser)
-    return parser
+    return service.build_parser("python -m draft_service", DESCRIPTION, add_arguments)
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    try:
-        settings = settings_from_args(args)
-    except ConfigError as exc:
-        print(f"draft service: {exc}", file=sys.stderr)
-        return 2
-    try:
-        return run(settings)
-    except SpecDecError as exc:  # an unknown model, incompatible options: say it, no traceback
-        print(f"draft service: {exc}", file=sys.stderr)
-        return 1
+    return service.run_from_args(args, "draft service", settings_from_args, run)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return run_from_args(args)
+    return service.main(build_parser(), run_from_args, argv)

@@ -15,14 +15,11 @@ speculative branches (a later issue), so guessed_token_id is never set.
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Iterable, Sequence
 
 import grpc
-from opentelemetry import trace
 
 from specdec.engine.api import Proposal
 from specdec.engine.draft import DraftEngine
@@ -40,12 +37,9 @@ from specdec.observability.spans import SPECDEC_NUM_DRAFT_TOKENS, SPECDEC_POSITI
 from specdec.rpc import ACTUAL_POSITION_KEY, LATEST_EPOCH_KEY, draft_pb2, draft_pb2_grpc
 from specdec.rpc_convert import model_info_to_proto, pack_distributions, sampling_params_from_proto
 from specdec.server.bootstrap import ModelExecutor
-
-log = logging.getLogger(__name__)
+from specdec.server.model_servicer import SPECDEC_SESSION_ID, EngineServicer, annotate, check_session_id
 
 DRAFT_SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
-SPECDEC_SESSION_ID = "specdec.session_id"
-MAX_SESSION_ID_LENGTH = 256
 PIPELINING_DISABLED = (
     "pipelined drafting is not enabled in this build: send speculative=false (sequential drafting)"
 )
@@ -72,18 +66,6 @@ class _Mismatch:
     latest_epoch: int
 
 
-def check_session_id(session_id: str) -> None:
-    if not session_id or len(session_id) > MAX_SESSION_ID_LENGTH:
-        raise InvalidArgument(
-            f"session_id must be a non-empty string of at most {MAX_SESSION_ID_LENGTH} characters, "
-            f"got {len(session_id)} characters"
-        )
-
-
-def _annotate(**attributes: Any) -> None:
-    trace.get_current_span().set_attributes({k: v for k, v in attributes.items() if v is not None})
-
-
 def _start(engine: DraftEngine, session_id: str, tokens: list[int], params) -> int:
     # Checked first: DraftEngine.start_session opens proposer state before it finds the id taken.
     try:
@@ -103,7 +85,10 @@ def _propose(engine: DraftEngine, *args: Any) -> Proposal | _Mismatch:
         return _Mismatch(exc, state.position, state.epoch)
 
 
-class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
+class DraftServicer(EngineServicer, draft_pb2_grpc.DraftServiceServicer):
+    TRUNCATE_RESPONSE = draft_pb2.DraftServiceTruncateResponse
+    END_SESSION_RESPONSE = draft_pb2.DraftServiceEndSessionResponse
+
     def __init__(self, engine: DraftEngine, executor: ModelExecutor, metrics: DraftMetrics, config: DraftServiceConfig):
         self.engine = engine
         self.executor = executor
@@ -117,7 +102,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     async def StartSession(self, request, context):
         check_session_id(request.session_id)
-        _annotate(**{SPECDEC_SESSION_ID: request.session_id, "specdec.num_prompt_tokens": len(request.token_ids)})
+        annotate(**{SPECDEC_SESSION_ID: request.session_id, "specdec.num_prompt_tokens": len(request.token_ids)})
         num_draft_tokens = self._check_options(request.options)
         tokens = list(request.token_ids)
         self._check_tokens(tokens, 0, "token_ids")
@@ -131,8 +116,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     async def Propose(self, request, context):
         check_session_id(request.session_id)
-        _annotate(**{SPECDEC_SESSION_ID: request.session_id, "specdec.parent_epoch": request.parent_epoch,
-                     "specdec.keep_position": request.keep_position})
+        annotate(**{SPECDEC_SESSION_ID: request.session_id, "specdec.parent_epoch": request.parent_epoch,
+                    "specdec.keep_position": request.keep_position})
         if request.speculative:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, PIPELINING_DISABLED)
         k = request.num_draft_tokens
@@ -154,8 +139,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         num_drafted = result.block.num_tokens
         self.metrics.step_latency.labels(self.proposer, "propose").observe(time.perf_counter() - started)
         self.metrics.proposed_tokens.labels(self.proposer).inc(num_drafted)
-        _annotate(**{SPECDEC_POSITION: result.position, SPECDEC_NUM_DRAFT_TOKENS: num_drafted,
-                     "specdec.epoch": result.epoch})
+        annotate(**{SPECDEC_POSITION: result.position, SPECDEC_NUM_DRAFT_TOKENS: num_drafted,
+                    "specdec.epoch": result.epoch})
         response = draft_pb2.DraftServiceProposeResponse(
             epoch=result.epoch, parent_epoch=request.parent_epoch, position=result.position,
             draft_token_ids=result.block.token_ids.tolist(), proposer=result.proposer, speculative=False,
@@ -163,18 +148,6 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         if result.block.draft_probs is not None:
             response.draft_distributions.CopyFrom(pack_distributions(result.block))
         return response
-
-    async def Truncate(self, request, context):
-        check_session_id(request.session_id)
-        _annotate(**{SPECDEC_SESSION_ID: request.session_id, SPECDEC_POSITION: request.position})
-        position = await self._run(self.engine.truncate, request.session_id, request.position)
-        return draft_pb2.DraftServiceTruncateResponse(position=position)
-
-    async def EndSession(self, request, context):
-        _annotate(**{SPECDEC_SESSION_ID: request.session_id})
-        existed = await self._run(self.engine.end_session, request.session_id)
-        self._session_num_draft_tokens.pop(request.session_id, None)
-        return draft_pb2.DraftServiceEndSessionResponse(existed=existed)
 
     async def GetInfo(self, request, context):
         model = self._model()
@@ -190,19 +163,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     # ---- housekeeping ------------------------------------------------------------------------
 
-    async def expire_idle_sessions(self, interval_s: float) -> None:
-        """Forever: end sessions idle past the engine's TTL (the coordinator re-opens them)."""
-        while True:
-            await asyncio.sleep(interval_s)
-            try:
-                expired = await self._run(self.engine.expire_idle)
-            except Exception:  # noqa: BLE001 - keep expiring later; a dead reaper would leak sessions
-                log.exception("expiring idle sessions failed")
-                continue
-            for session_id in expired:
-                self._session_num_draft_tokens.pop(session_id, None)
-            if expired:
-                log.info("expired %d idle sessions", len(expired))
+    def forget_sessions(self, session_ids: Iterable[str]) -> None:
+        for session_id in session_ids:
+            self._session_num_draft_tokens.pop(session_id, None)
 
     def update_gauges(self) -> None:
         self.metrics.sessions.set(len(self.engine.sessions))
@@ -216,12 +179,6 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def _model(self):
         """The draft model behind the proposer, None for a proposer without weights."""
         return getattr(self.engine.proposer, "model", None)
-
-    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        try:
-            return await self.executor.run(fn, *args)
-        finally:
-            self.update_gauges()
 
     def _check_options(self, options) -> int:
         limit = self.engine.max_draft_tokens

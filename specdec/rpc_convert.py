@@ -179,6 +179,11 @@ def model_info_to_proto(
     )
 
 
+def model_info_from_proto(msg: common_pb2.ModelInfo) -> ModelInfo:
+    return ModelInfo(name=msg.name, architecture=msg.architecture, vocab_size=msg.vocab_size,
+                     max_context=msg.context_length, dtype=msg.dtype, device=msg.device, backend=msg.backend)
+
+
 def actual_position(error: object) -> int | None:
     """The session's actual position from a FAILED_PRECONDITION mismatch (grpc.RpcError or
     grpc.aio.AioRpcError), or None when the error does not carry one."""

@@ -10,13 +10,8 @@ handlers only add attributes to it. Verification itself lives in the engine and 
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Collection, Sequence
-
-from opentelemetry import trace
 
 from specdec.engine.target import TargetEngine
 from specdec.errors import ContextOverflow, InvalidArgument
@@ -30,34 +25,11 @@ from specdec.rpc_convert import (
     verify_outcome_to_proto,
 )
 from specdec.server.bootstrap import ModelExecutor
-
-log = logging.getLogger(__name__)
+from specdec.server.model_servicer import SPECDEC_SESSION_ID, EngineServicer, annotate, check_session_id
+from specdec.server.tokenizer_info import TokenizerFacts
 
 TARGET_SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
-SPECDEC_SESSION_ID = "specdec.session_id"
 SPECDEC_DRAFT_EPOCH = "specdec.draft_epoch"
-MAX_SESSION_ID_LENGTH = 256
-
-
-@dataclass(frozen=True)
-class TokenizerFacts:
-    """What GetInfo reports about the model's tokenizer; empty when the model ships none."""
-
-    vocab_fingerprint: str = ""
-    eos_token_ids: tuple[int, ...] = ()
-
-
-def check_session_id(session_id: str) -> None:
-    if not session_id or len(session_id) > MAX_SESSION_ID_LENGTH:
-        raise InvalidArgument(
-            f"session_id must be a non-empty string of at most {MAX_SESSION_ID_LENGTH} characters, "
-            f"got {len(session_id)} characters"
-        )
-
-
-def _annotate(**attributes: Any) -> None:
-    """Add attributes to the current RPC's server span (a no-op when it is not recorded)."""
-    trace.get_current_span().set_attributes({k: v for k, v in attributes.items() if v is not None})
 
 
 def decode_until_stop(
@@ -90,7 +62,10 @@ def decode_until_stop(
     return generated
 
 
-class TargetServicer(target_pb2_grpc.TargetServiceServicer):
+class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
+    TRUNCATE_RESPONSE = target_pb2.TargetServiceTruncateResponse
+    END_SESSION_RESPONSE = target_pb2.TargetServiceEndSessionResponse
+
     def __init__(
         self,
         engine: TargetEngine,
@@ -113,7 +88,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         check_session_id(request.session_id)
         params = sampling_params_from_proto(request.sampling)
         tokens = list(request.token_ids)
-        _annotate(**{SPECDEC_SESSION_ID: request.session_id, "specdec.num_prompt_tokens": len(tokens)})
+        annotate(**{SPECDEC_SESSION_ID: request.session_id, "specdec.num_prompt_tokens": len(tokens)})
         position, first = await self._step(
             "prefill", len(tokens), self.engine.start_session,
             request.session_id, tokens, params, request.sample_first_token,
@@ -126,8 +101,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     async def Verify(self, request, context):
         check_session_id(request.session_id)
         k = len(request.draft_token_ids)
-        _annotate(**{SPECDEC_SESSION_ID: request.session_id, SPECDEC_POSITION: request.position,
-                     SPECDEC_NUM_DRAFT_TOKENS: k, SPECDEC_DRAFT_EPOCH: request.draft_epoch})
+        annotate(**{SPECDEC_SESSION_ID: request.session_id, SPECDEC_POSITION: request.position,
+                    SPECDEC_NUM_DRAFT_TOKENS: k, SPECDEC_DRAFT_EPOCH: request.draft_epoch})
         if k > self.max_draft_tokens:
             raise InvalidArgument(
                 f"a Verify carries at most {self.max_draft_tokens} draft tokens (--max-draft-tokens), got {k}"
@@ -135,37 +110,25 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         rows = request.draft_distributions if request.HasField("draft_distributions") else None
         block = unpack_distributions(rows, request.draft_token_ids)
         outcome = await self._step("verify", k + 1, self.engine.verify, request.session_id, request.position, block)
-        _annotate(**{SPECDEC_NUM_ACCEPTED: outcome.num_accepted,
-                     "specdec.next_token_kind": "bonus" if outcome.is_bonus else "recovered"})
+        annotate(**{SPECDEC_NUM_ACCEPTED: outcome.num_accepted,
+                    "specdec.next_token_kind": "bonus" if outcome.is_bonus else "recovered"})
         return verify_outcome_to_proto(outcome, request.draft_epoch)
 
     async def Decode(self, request, context):
         check_session_id(request.session_id)
         appended = list(request.append_token_ids)
-        _annotate(**{SPECDEC_SESSION_ID: request.session_id, SPECDEC_POSITION: request.position,
-                     "specdec.num_appended_tokens": len(appended), "specdec.num_tokens": request.num_tokens})
+        annotate(**{SPECDEC_SESSION_ID: request.session_id, SPECDEC_POSITION: request.position,
+                    "specdec.num_appended_tokens": len(appended), "specdec.num_tokens": request.num_tokens})
         started = time.perf_counter()
         tokens = await self._run(
             decode_until_stop, self.engine, request.session_id, request.position, request.num_tokens,
             appended, request.stop_token_ids,
         )
         self._observe("decode", started, len(appended) + len(tokens))
-        _annotate(**{"specdec.num_generated_tokens": len(tokens)})
+        annotate(**{"specdec.num_generated_tokens": len(tokens)})
         return target_pb2.TargetServiceDecodeResponse(
             token_ids=tokens, position=request.position + len(appended) + len(tokens)
         )
-
-    async def Truncate(self, request, context):
-        check_session_id(request.session_id)
-        _annotate(**{SPECDEC_SESSION_ID: request.session_id, SPECDEC_POSITION: request.position})
-        position = await self._run(self.engine.truncate, request.session_id, request.position)
-        return target_pb2.TargetServiceTruncateResponse(position=position)
-
-    async def EndSession(self, request, context):
-        _annotate(**{SPECDEC_SESSION_ID: request.session_id})
-        existed = await self._run(self.engine.end_session, request.session_id)
-        self.update_gauges()
-        return target_pb2.TargetServiceEndSessionResponse(existed=existed)
 
     async def GetInfo(self, request, context):
         model = self.engine.model
@@ -180,19 +143,6 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     # ---- housekeeping ------------------------------------------------------------------------
 
-    async def expire_idle_sessions(self, interval_s: float) -> None:
-        """Forever: end sessions idle past the engine's TTL (the coordinator rebuilds them from
-        its session store if they come back)."""
-        while True:
-            await asyncio.sleep(interval_s)
-            try:
-                expired = await self._run(self.engine.expire_idle)
-            except Exception:  # noqa: BLE001 - keep expiring later; a dead reaper would leak slots
-                log.exception("expiring idle sessions failed")
-                continue
-            if expired:
-                log.info("expired %d idle sessions", len(expired))
-
     def update_gauges(self) -> None:
         model = self.engine.model
         self.metrics.sessions.set(len(self.engine.sessions))
@@ -204,12 +154,6 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             self._evictions_seen = evictions
 
     # ---- internals ---------------------------------------------------------------------------
-
-    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        try:
-            return await self.executor.run(fn, *args)
-        finally:
-            self.update_gauges()
 
     async def _step(self, step: str, num_tokens: int, fn: Callable[..., Any], *args: Any) -> Any:
         started = time.perf_counter()

@@ -20,10 +20,10 @@ from grpc_reflection.v1alpha import reflection as _reflection
 from opentelemetry import trace
 
 from specdec import errors
+from specdec.rpc import ACTUAL_POSITION_KEY
 
 logger = logging.getLogger(__name__)
 
-ACTUAL_POSITION_KEY = "specdec-actual-position"
 # Probes and tooling must work without a token: health carries no data, reflection only schemas.
 EXEMPT_SERVICES = frozenset({_health.SERVICE_NAME, _reflection.SERVICE_NAME})
 

@@ -1,0 +1,139 @@
+"""What the clients of the model services (TargetClient, DraftClient) share.
+
+A ServiceClient holds a channel, sends every call with its deadline and metadata, and raises the
+domain errors an in-process engine would have raised (domain_error), so the speculative loop cannot
+tell a remote engine from a local one. GetInfo's facts beyond ModelInfo come back as a
+ServiceDescription.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar
+
+import grpc
+import grpc.aio
+
+from specdec import errors
+from specdec.rpc import common_pb2
+from specdec.rpc_convert import actual_position, latest_epoch
+from specdec.server.credentials import create_channel
+from specdec.server.settings import ClientSettings
+
+Metadata = Sequence[tuple[str, str]]
+C = TypeVar("C", bound="ServiceClient")
+
+
+def domain_error(
+    err: grpc.aio.AioRpcError,
+    service: str,
+    session_id: str = "",
+    position: int | None = None,
+    parent_epoch: int = 0,
+) -> Exception:
+    """The domain error a gRPC status from `service` (e.g. "target service") stands for.
+
+    FAILED_PRECONDITION -> EpochMismatch when the session's latest epoch ("specdec-latest-epoch") is
+    not the parent_epoch named (a draft's Propose), else PositionMismatch with the actual position
+    ("specdec-actual-position") when the call named a position, else IncompatibleModels; NOT_FOUND
+    -> SessionNotFound; ALREADY_EXISTS -> SessionExists; INVALID_ARGUMENT -> InvalidArgument;
+    RESOURCE_EXHAUSTED -> CacheFull; UNAVAILABLE / DEADLINE_EXCEEDED -> ServiceUnavailable. Other
+    codes (UNAUTHENTICATED, INTERNAL, ...) are configuration or server bugs: `err` itself.
+    """
+    code, details = err.code(), err.details() or err.code().name
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        latest, actual = latest_epoch(err), actual_position(err)
+        if latest is not None and parent_epoch and latest != parent_epoch:
+            return errors.EpochMismatch(session_id, expected=parent_epoch, actual=latest)
+        if actual is not None and position is not None:
+            return errors.PositionMismatch(session_id, expected=position, actual=actual)
+        return errors.IncompatibleModels(details)
+    if code == grpc.StatusCode.NOT_FOUND:
+        return errors.SessionNotFound(session_id)
+    if code == grpc.StatusCode.ALREADY_EXISTS:
+        return errors.SessionExists(session_id)
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return errors.InvalidArgument(details)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return errors.CacheFull(details)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return errors.ServiceUnavailable(f"{service} {code.name}: {details}")
+    return err
+
+
+@dataclass(frozen=True)
+class ServiceDescription:
+    """What GetInfo says about a model service beyond ModelInfo (the core's type)."""
+
+    vocab_fingerprint: str
+    eos_token_ids: tuple[int, ...]
+    num_slots: int
+    free_slots: int
+    server_version: str
+
+    @staticmethod
+    def fields_from_proto(msg: common_pb2.ModelInfo) -> dict[str, Any]:
+        """This class's fields from a ModelInfo message, as keyword arguments for a subclass."""
+        return {"vocab_fingerprint": msg.vocab_fingerprint, "eos_token_ids": tuple(msg.eos_token_ids),
+                "num_slots": msg.num_slots, "free_slots": msg.free_slots, "server_version": msg.server_version}
+
+
+class ServiceClient:
+    """A model service's API on a grpc.aio channel; see connect() for one with TLS, deadlines and
+    tracing. Subclasses name their service (SERVICE, for error messages), their STUB class and the
+    request messages of Truncate and EndSession, which both services spell alike."""
+
+    SERVICE: ClassVar[str]
+    STUB: ClassVar[type]
+    TRUNCATE_REQUEST: ClassVar[type]
+    END_SESSION_REQUEST: ClassVar[type]
+
+    def __init__(self, channel: grpc.aio.Channel, timeout_s: float = 30.0, metadata: Metadata = ()):
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.channel = channel
+        self.timeout_s = timeout_s
+        self.metadata = tuple(metadata)
+        self._stub = self.STUB(channel)
+
+    @classmethod
+    def connect(cls: type[C], address: str, settings: ClientSettings, *, metadata: Metadata = (),
+                tracer_provider=None, trace: bool = True, **options: Any) -> C:
+        """A client on a new channel: TLS or mutual TLS per `settings` (plaintext only when it says
+        so), its bearer token as call credentials, keepalive, message size limit, settings.timeout_s
+        as every call's deadline, and OpenTelemetry client spans with W3C trace-context propagation.
+        `options` go to the subclass's constructor."""
+        channel = create_channel(address, settings, tracer_provider=tracer_provider, trace=trace)
+        return cls(channel, timeout_s=settings.timeout_s, metadata=metadata, **options)
+
+    async def truncate(self, session_id: str, position: int) -> int:
+        if position < 0:
+            raise errors.InvalidArgument(f"truncate position must be >= 1, got {position}")
+        request = self.TRUNCATE_REQUEST(session_id=session_id, position=position)
+        return (await self._call(self._stub.Truncate, request, session_id)).position
+
+    async def end_session(self, session_id: str) -> bool:
+        request = self.END_SESSION_REQUEST(session_id=session_id)
+        return (await self._call(self._stub.EndSession, request, session_id)).existed
+
+    async def info(self):
+        return (await self.describe()).model
+
+    async def describe(self):
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self: C) -> C:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+    async def _call(self, method, request, session_id: str = "", position: int | None = None, parent_epoch: int = 0):
+        try:
+            return await method(request, timeout=self.timeout_s, metadata=self.metadata or None)
+        except grpc.aio.AioRpcError as err:
+            raise domain_error(err, self.SERVICE, session_id, position, parent_epoch) from err

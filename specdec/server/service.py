@@ -1,0 +1,172 @@
+"""A service process from flags to shutdown: what every `python -m <service>` main shares.
+
+    def run_from_args(args):            # specdec serve SERVICE calls this
+        return service.run_from_args(args, "target service", settings_from_args, run)
+
+    def run(settings):
+        ...load the engine...
+        return service.run_traced(settings.server, lambda provider: serve_target(settings, ..., provider))
+
+A model service (target, draft) serves through serve_model_service: one ModelExecutor thread for
+the engine, the idle-session reaper, the ready file and the graceful shutdown of specdec.server.
+Heavy imports (grpc, the metrics, asyncio's loop) happen inside the functions, so a main module that
+imports this one still builds its parser for `--help` quickly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from specdec.errors import SpecDecError
+from specdec.server.settings import ConfigError, ServerSettings
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def add_model_arguments(group: Any, *, num_slots_help: str) -> None:
+    """The flags of a service that hosts a model (target, draft) on `group` (a parser or an argument
+    group): where it runs, its KV cache slots and context, idle-session expiry, the ready file.
+    model_settings_from_args reads them back."""
+    group.add_argument("--backend", choices=["native", "hf", "auto"], default="native")
+    group.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    group.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    group.add_argument("--num-slots", type=int, default=8, help=num_slots_help)
+    group.add_argument("--max-context", type=int, default=None, help="tokens per session (default: the model's)")
+    group.add_argument("--session-ttl", type=float, default=600.0, help="seconds before an idle session expires")
+    group.add_argument("--ready-file", type=Path, default=None,
+                       help="write the bound ports as JSON here once serving (launchers and tests)")
+
+
+def model_settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The add_model_arguments flags as keyword arguments of a service's settings."""
+    return {"backend": args.backend, "device": args.device, "dtype": args.dtype, "num_slots": args.num_slots,
+            "max_context": args.max_context, "session_ttl_s": args.session_ttl, "ready_file": args.ready_file}
+
+
+def check_model_settings(num_slots: int, max_context: int | None, session_ttl_s: float) -> None:
+    """ConfigError, naming the flag, for values no model service can run with."""
+    if num_slots < 1:
+        raise ConfigError(f"--num-slots must be >= 1, got {num_slots}")
+    if max_context is not None and max_context < 2:
+        raise ConfigError(f"--max-context must be >= 2 tokens, got {max_context}")
+    if not session_ttl_s > 0:
+        raise ConfigError(f"--session-ttl must be > 0 seconds, got {session_ttl_s}")
+
+
+def write_ready_file(path: Path, host) -> None:
+    """The bound ports of `host` (a started ServiceHost) as JSON; atomically: a reader never sees
+    half a file."""
+    ports = {"pid": os.getpid(), "port": host.port, "health_port": host.health_port,
+             "metrics_port": host.metrics_port}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(ports))
+    tmp.replace(path)
+
+
+def build_parser(prog: str, description: str, add_arguments: Callable[[argparse.ArgumentParser], None],
+                 **kwargs: Any) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=description, **kwargs)
+    add_arguments(parser)
+    return parser
+
+
+def run_from_args(
+    args: argparse.Namespace,
+    label: str,
+    settings_from_args: Callable[[argparse.Namespace], Any],
+    run: Callable[[Any], int],
+) -> int:
+    """Settings from the flags, then run(settings). A bad flag exits 2 and a domain error (an unknown
+    model, incompatible options) exits 1, each with one line on stderr prefixed by `label`, no
+    traceback."""
+    try:
+        settings = settings_from_args(args)
+    except ConfigError as exc:
+        print(f"{label}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return run(settings)
+    except SpecDecError as exc:
+        print(f"{label}: {exc}", file=sys.stderr)
+        return 1
+
+
+def main(parser: argparse.ArgumentParser, run_from_args: Callable[[argparse.Namespace], int],
+         argv: list[str] | None = None) -> int:
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    return run_from_args(args)
+
+
+def run_traced(settings: ServerSettings, serve: Callable[[Any], Awaitable[None]]) -> int:
+    """asyncio.run(serve(tracer_provider)) with tracing set up per `settings`; the provider is shut
+    down (batched spans flushed) however serving ends."""
+    import asyncio
+
+    from specdec.observability.tracing import setup_tracing
+
+    tracing = settings.tracing
+    provider = setup_tracing(tracing.service_name, tracing.sampling_ratio)
+    try:
+        asyncio.run(serve(provider))
+    finally:
+        provider.shutdown()
+    return 0
+
+
+def expiry_interval(session_ttl_s: float) -> float:
+    """How often the reaper looks for idle sessions: a quarter of the TTL, within [0.25 s, 30 s]."""
+    return min(max(session_ttl_s / 4, 0.25), 30.0)
+
+
+async def serve_model_service(
+    settings: ServerSettings,
+    build_servicer: Callable[[Any, Any], Any],
+    add_servicer: Callable[[Any, Any], None],
+    service_name: str,
+    *,
+    executor_name: str,
+    session_ttl_s: float,
+    ready_file: Path | None = None,
+    tracer_provider=None,
+) -> None:
+    """Serve a model service until SIGTERM / SIGINT; returns after the graceful shutdown.
+
+    `build_servicer(executor, registry)` makes the servicer: its engine calls go through the
+    ModelExecutor `executor`, its metrics into the Prometheus `registry` served on /metrics. Once
+    serving, `servicer.expire_idle_sessions(interval)` runs until shutdown and the ready file is
+    written; at shutdown the executor finishes its last call and closes.
+    """
+    import asyncio
+
+    from specdec.observability.metrics import new_registry
+    from specdec.server.bootstrap import ModelExecutor, serve
+
+    registry = new_registry()
+    executor = ModelExecutor(executor_name)
+    servicer = build_servicer(executor, registry)
+    tasks: list[asyncio.Task] = []
+
+    def register(server):
+        add_servicer(servicer, server)
+        return [service_name]
+
+    def started(host) -> None:
+        reaper = servicer.expire_idle_sessions(expiry_interval(session_ttl_s))
+        tasks.append(asyncio.get_running_loop().create_task(reaper))
+        if ready_file is not None:
+            write_ready_file(ready_file, host)
+
+    def stop_tasks() -> None:
+        for task in tasks:
+            task.cancel()
+
+    await serve(settings, register, on_shutdown=[stop_tasks, executor.aclose],
+                tracer_provider=tracer_provider, registry=registry, on_started=started)
