@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, replace
+from typing import Awaitable, Callable
+
+from opentelemetry import trace
 
 from specdec.errors import IncompatibleModels, InvalidArgument, PositionMismatch, ServiceUnavailable, SpecDecError
+from specdec.observability import spans
 from specdec.store import SessionRecord, SessionStatus, SessionStore, VersionConflict
 
 from coordinator.failover import NoReplica
@@ -36,12 +40,14 @@ class Claim:
 
 
 class Claims:
-    def __init__(self, store: SessionStore, router: Router, prompts: PromptEncoder, default_pool: Pool):
+    def __init__(self, store: SessionStore, router: Router, prompts: PromptEncoder, default_pool: Pool,
+                 choose_pool: Callable[[], Awaitable[Pool]] | None = None):
         self.store, self.router, self.prompts, self.default_pool = store, router, prompts, default_pool
+        self.choose_pool = choose_pool  # the canary controller's draw, when it runs
 
     async def new_session(self, request: GenerateRequest, max_new_tokens: int) -> Claim:
         tokens, messages = self.prompts.first_turn(request)
-        pool = self.pool_for(request)
+        pool = await self.pool_for(request)
         speculate = pool is Pool.SPECULATIVE and request.speculation.enabled is not False
         target, description = await self._target(pool)
         self._check_room(0, len(tokens), description.model.max_context)
@@ -112,10 +118,14 @@ class Claims:
             plan = replace(plan, finished=reason)
         return Claim(plan, stop)
 
-    def pool_for(self, request: GenerateRequest) -> Pool:
-        """The pool of a new session: the request's override, else the default. (The canary's
-        share of new sessions goes here; a session keeps its pool for all its turns.)"""
-        return request.pool or self.default_pool
+    async def pool_for(self, request: GenerateRequest) -> Pool:
+        """The pool of a new session: the request's override, else the canary's draw (the share of
+        new sessions it gives the speculative pool), else the default. A session keeps its pool for
+        all its turns (it is in the session's record)."""
+        chosen_by = "request" if request.pool else ("canary" if self.choose_pool else "default")
+        pool = request.pool or (await self.choose_pool() if self.choose_pool else self.default_pool)
+        trace.get_current_span().set_attributes({spans.SPECDEC_POOL: pool.value, "specdec.pool_chosen_by": chosen_by})
+        return pool
 
     async def _target(self, pool: Pool, sticky: str = ""):
         """The session's target (or the least loaded one) and its GetInfo; skips one that does not

@@ -35,8 +35,11 @@ class Coordinator:
     router: object  # Router
     redis: object  # redis.asyncio.Redis
     servicer: object  # CoordinatorServicer
+    canary: object = None  # CanaryController with --canary
 
     async def aclose(self) -> None:
+        if self.canary is not None:
+            await self.canary.aclose()
         await self.router.aclose()
         await self.redis.aclose()
 
@@ -66,13 +69,15 @@ def build(settings: CoordinatorSettings, *, tracer_provider=None, registry=None,
     router = Router(
         lambda e: connect_target(e, settings.target_client, tracer_provider=tracer_provider),
         lambda e: connect_draft(e, settings.draft_client, tracer_provider=tracer_provider),
-        targets=settings.targets, drafts=settings.drafts, registry=discovery,
+        targets=settings.targets, drafts=settings.drafts, baseline_targets=settings.baseline_targets,
+        registry=discovery,
     )
     prompts = prompts or PromptEncoder.load(settings.tokenizer)
     provider = tracer_provider or trace.get_tracer_provider()
+    registry = registry if registry is not None else new_registry(process=False)
     telemetry = Telemetry(
         tracer=provider.get_tracer("coordinator"),
-        metrics=CoordinatorMetrics(registry if registry is not None else new_registry(process=False)),
+        metrics=CoordinatorMetrics(registry),
         cycle_sampler=CycleSpanSampler(every=settings.server.tracing.cycle_span_every),
         model=settings.model_name or settings.tokenizer,
     )
@@ -83,7 +88,12 @@ def build(settings: CoordinatorSettings, *, tracer_provider=None, registry=None,
                           settings.limits.max_draft_tokens),
     )
     sessions = SessionManager(store, router, prompts, telemetry, settings.limits, config, status_name)
-    return Coordinator(sessions, router, client, CoordinatorServicer(sessions))
+    canary = None
+    if settings.canary is not None:
+        from coordinator.canary import build_canary
+
+        canary = build_canary(settings.canary, client, settings.redis_prefix, sessions, router, telemetry, registry)
+    return Coordinator(sessions, router, client, CoordinatorServicer(sessions, canary), canary)
 
 
 async def serve_coordinator(settings: CoordinatorSettings, tracer_provider=None) -> None:
@@ -108,6 +118,8 @@ async def serve_coordinator(settings: CoordinatorSettings, tracer_provider=None)
         service.write_ready_file(settings.ready_file, host)
     loop = asyncio.get_running_loop()
     tasks = [loop.create_task(check_static_replicas(coordinator, settings))]
+    if coordinator.canary is not None:
+        coordinator.canary.start()  # stopped by coordinator.aclose
 
     def on_signal(signum: int) -> None:
         if host.stopping:  # a second signal: cancel what still runs

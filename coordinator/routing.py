@@ -1,6 +1,7 @@
 """Which replicas serve a session, and one client per replica endpoint.
 
-Endpoints come from flags (--target / --draft, every target in both pools) or from the replica
+Endpoints come from flags (--target / --draft for the speculative pool, --baseline-target for the
+baseline pool; without --baseline-target, every --target serves both pools) or from the replica
 registry in Redis (kind "target" / "draft", pools "speculative" / "baseline"; a baseline session
 uses baseline targets, or speculative ones when the baseline pool has none). New sessions go to
 the least loaded live replica; a session sticks to the endpoints in its record while those are
@@ -40,12 +41,14 @@ class Router:
         *,
         targets: Iterable[str] = (),
         drafts: Iterable[str] = (),
+        baseline_targets: Iterable[str] = (),
         registry: ReplicaRegistry | None = None,
         avoid_failed_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
     ):
         self._connect = {TARGET: connect_target, DRAFT: connect_draft}
         self._static = {TARGET: list(dict.fromkeys(targets)), DRAFT: list(dict.fromkeys(drafts))}
+        self._static_baseline = list(dict.fromkeys(baseline_targets))  # baseline targets from flags
         self.registry = registry
         self.avoid_failed_s = avoid_failed_s
         self.clock = clock
@@ -104,8 +107,9 @@ class Router:
 
     async def candidates(self, kind: str, pool: Pool) -> list[Candidate]:
         """Live endpoints of a kind for a pool, least loaded first (draining ones excluded)."""
-        if self._static[kind] or self.registry is None:
-            found = [Candidate(e, float(self._sessions[e])) for e in self._static[kind]]
+        static = self._static_for(kind, pool)
+        if static or self.registry is None:
+            found = [Candidate(e, float(self._sessions[e])) for e in static]
         else:
             found = await self._registered(kind, pool)
         return sorted(found, key=lambda c: (self.is_avoided(c.endpoint), c.load))
@@ -123,13 +127,21 @@ class Router:
         draining replica still serves the sessions it holds)."""
         if not endpoint:
             return False
-        if self._static[kind] or self.registry is None:
-            return endpoint in self._static[kind]
+        static = self._static_for(kind, pool)
+        if static or self.registry is None:
+            return endpoint in static
         pools = {pool.value, Pool.SPECULATIVE.value} if kind == TARGET else {pool.value}
         for name in pools:
             if any(r.endpoint == endpoint for r in await self.registry.list(kind, name)):
                 return True
         return False
+
+    def _static_for(self, kind: str, pool: Pool) -> list[str]:
+        """Flag-given endpoints of a kind for a pool: --baseline-target for baseline targets when
+        given, else --target / --draft (an empty list: look in the registry)."""
+        if kind == TARGET and pool is Pool.BASELINE and self._static_baseline:
+            return self._static_baseline
+        return self._static[kind]
 
     async def choose_target(self, pool: Pool, sticky: str = "") -> str | None:
         """The session's recorded target if it is live, else the least loaded one."""

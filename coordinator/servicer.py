@@ -13,7 +13,12 @@ from specdec.rpc import coordinator_pb2 as pb
 from specdec.rpc import coordinator_pb2_grpc
 from specdec.server.interceptors import STATUS_BY_ERROR, grpc_status
 from specdec.store import SchemaMismatch, VersionConflict
+from specdec.store.canary import CanaryWriteRefused
 
+from coordinator.canary import CanaryController
+from coordinator.canary_state import CanaryDisabled
+from coordinator.canary_convert import state_to_proto, status_to_proto
+from coordinator.canary_policy import Action
 from coordinator.claims import TurnInProgress
 from coordinator.convert import message_to_proto, request_from_proto, session_to_proto
 from coordinator.failover import NoReplica
@@ -31,6 +36,8 @@ ERROR_CODES = {
     NoReplica: grpc.StatusCode.UNAVAILABLE,
     ServiceUnavailable: grpc.StatusCode.UNAVAILABLE,
     StreamInterrupted: grpc.StatusCode.UNAVAILABLE,
+    CanaryDisabled: grpc.StatusCode.FAILED_PRECONDITION,
+    CanaryWriteRefused: grpc.StatusCode.ABORTED,
 }
 
 
@@ -49,8 +56,9 @@ def _session_id(value: str) -> str:
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
-    def __init__(self, sessions: SessionManager):
+    def __init__(self, sessions: SessionManager, canary: CanaryController | None = None):
         self.sessions = sessions
+        self.canary = canary
 
     async def Generate(self, request, context):
         async for message in self.sessions.generate(request_from_proto(request)):
@@ -68,3 +76,29 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     async def EndSession(self, request, context):
         existed = await self.sessions.end(_session_id(request.session_id))
         return pb.CoordinatorServiceEndSessionResponse(existed=existed)
+
+    async def GetCanary(self, request, context):
+        return status_to_proto(await self._canary().status(request.max_decisions or 20))
+
+    async def PromoteCanary(self, request, context):
+        state = await self._act(Action.PROMOTE, request.reason, full=request.to_last_step)
+        return pb.CoordinatorServicePromoteCanaryResponse(state=state)
+
+    async def AbortCanary(self, request, context):
+        return pb.CoordinatorServiceAbortCanaryResponse(state=await self._act(Action.ABORT, request.reason))
+
+    async def PauseCanary(self, request, context):
+        return pb.CoordinatorServicePauseCanaryResponse(state=await self._act(Action.PAUSE, request.reason))
+
+    async def ResumeCanary(self, request, context):
+        return pb.CoordinatorServiceResumeCanaryResponse(state=await self._act(Action.RESUME, request.reason))
+
+    async def _act(self, action: Action, reason: str, full: bool = False) -> pb.CanaryState:
+        canary = self._canary()
+        state = await canary.act(action, reason, full)
+        return state_to_proto(state, await canary.store.holder(), canary.policy.steps)
+
+    def _canary(self) -> CanaryController:
+        if self.canary is None:
+            raise CanaryDisabled("this coordinator runs no canary controller; start it with --canary")
+        return self.canary

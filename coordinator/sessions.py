@@ -104,7 +104,7 @@ class SessionManager:
             metrics.active_requests.labels(pool, "any").dec()
             metrics.prompt_tokens.labels(pool, clock.proposer).inc(opened.added)
         span.end()
-        clock.observe(metrics, pool)
+        self.telemetry.request_finished(clock, pool)
 
     async def _open(self, request: GenerateRequest, span: trace.Span) -> Opened:
         max_new_tokens = validate(request, self.limits)

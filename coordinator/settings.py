@@ -20,6 +20,7 @@ from specdec.server.settings import (
     server_settings_from_args,
 )
 
+from coordinator.canary_settings import CanarySettings, add_canary_arguments, canary_settings_from_args
 from coordinator.requests import Limits, Pool
 
 SERVICE = "coordinator"
@@ -37,6 +38,7 @@ class CoordinatorSettings:
     redis_url: str
     targets: tuple[str, ...] = ()  # static endpoints; empty: discover them in Redis
     drafts: tuple[str, ...] = ()
+    baseline_targets: tuple[str, ...] = ()  # static baseline pool; empty: --targets serve it too
     redis_prefix: str = "specdec"
     default_pool: Pool = Pool.SPECULATIVE
     num_draft_tokens: int = 4
@@ -49,6 +51,7 @@ class CoordinatorSettings:
     redis_timeout_s: float = 5.0  # deadline of every Redis command
     model_name: str = ""  # gen_ai.request.model; default: the tokenizer's name
     ready_file: Path | None = None
+    canary: CanarySettings | None = None  # None: no canary controller (--canary)
 
     def __post_init__(self) -> None:
         if not self.redis_url:
@@ -62,7 +65,7 @@ class CoordinatorSettings:
         for name in ("session_ttl_s", "owner_lease_s", "failover_timeout_s", "redis_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"--{name[:-2].replace('_', '-')} must be > 0 seconds")
-        for endpoint in (*self.targets, *self.drafts):
+        for endpoint in (*self.targets, *self.drafts, *self.baseline_targets):
             host, _, port = endpoint.rpartition(":")
             if not host or not port.isdigit():
                 raise ConfigError(f"an endpoint is host:port, got {endpoint!r}")
@@ -78,6 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser, environ=os.environ) -> None:
                    help="a target replica (repeatable); none: discover replicas in Redis")
     g.add_argument("--draft", action="append", default=[], metavar="HOST:PORT",
                    help="a draft replica (repeatable); none: discover replicas in Redis")
+    g.add_argument("--baseline-target", action="append", default=[], metavar="HOST:PORT",
+                   help="a target replica of the baseline pool (repeatable); none: --target replicas serve "
+                        "both pools (or the registry's baseline pool)")
     g.add_argument("--redis-url", default=env("SPECDEC_REDIS_URL", ""),
                    help="Redis for session state and replica discovery (redis:// or rediss://, password in "
                         "the URL); required")
@@ -109,6 +115,7 @@ def add_arguments(parser: argparse.ArgumentParser, environ=os.environ) -> None:
     add_client_arguments(parser, "draft", environ=environ)
     if "SPECDEC_DRAFT_TIMEOUT_S" not in environ:
         parser.set_defaults(draft_timeout=DRAFT_TIMEOUT_S)
+    add_canary_arguments(parser, environ=environ)
 
 
 def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
@@ -125,4 +132,5 @@ def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
         session_ttl_s=args.session_ttl, owner_lease_s=args.owner_lease, failover_timeout_s=args.failover_timeout,
         redis_timeout_s=args.redis_timeout,
         model_name=args.model_name, ready_file=args.ready_file,
+        baseline_targets=tuple(args.baseline_target), canary=canary_settings_from_args(args),
     )

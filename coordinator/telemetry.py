@@ -10,8 +10,11 @@ Trace shape of one Generate (the gRPC server span comes from the interceptor):
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
+from typing import Callable
+
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
@@ -31,6 +34,16 @@ class Telemetry:
     metrics: CoordinatorMetrics
     cycle_sampler: spans.CycleSpanSampler
     model: str  # gen_ai.request.model
+    # Called with (RequestClock, pool) when a Generate stream ends (the canary's samples).
+    request_observers: list[Callable[["RequestClock", str], None]] = field(default_factory=list)
+
+    def request_finished(self, clock: "RequestClock", pool: str) -> None:
+        clock.observe(self.metrics, pool)
+        for observer in self.request_observers:
+            try:
+                observer(clock, pool)
+            except Exception:  # noqa: BLE001 - an observer never fails the request it observes
+                logging.getLogger(__name__).exception("request observer %r failed", observer)
 
     def request_span(self, operation: str, attributes: dict) -> trace.Span:
         """Started, not current: the caller makes it current where the work runs and ends it."""
@@ -54,26 +67,43 @@ class RequestClock:
 
     started: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
+    ended: float | None = None
     tokens: int = 0
     proposer: str = "none"
     outcome: str = "OK"  # status code name
+    session_id: str = ""
+    position: int = 0  # committed length after the last message
+    final: object | None = None  # the last message's FinalInfo
 
     def streamed(self, message) -> None:
         if message.token_ids and self.first_token is None:
             self.first_token = time.perf_counter()
         self.tokens += len(message.token_ids)
-        if message.final is not None and message.final.proposer:
-            self.proposer = message.final.proposer
+        self.session_id, self.position = message.session_id, message.position
+        if message.final is not None:
+            self.final = message.final
+            self.proposer = message.final.proposer or self.proposer
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.started
+
+    @property
+    def tpot(self) -> float | None:
+        """Per request: the decode phase over the tokens after the first."""
+        if self.first_token is None or self.ended is None or self.tokens < 2:
+            return None
+        return (self.ended - self.first_token) / (self.tokens - 1)
 
     def observe(self, metrics: CoordinatorMetrics, pool: str) -> None:
-        ended, labels = time.perf_counter(), (pool, self.proposer)
+        self.ended = ended = time.perf_counter()
+        labels = (pool, self.proposer)
         metrics.requests.labels(*labels, self.outcome).inc()
         metrics.e2e_latency.labels(*labels).observe(ended - self.started)
-        if self.first_token is not None:
-            metrics.time_to_first_token.labels(*labels).observe(self.first_token - self.started)
-            if self.tokens > 1:  # per request: the decode phase over the tokens after the first
-                tpot = (ended - self.first_token) / (self.tokens - 1)
-                metrics.time_per_output_token.labels(*labels).observe(tpot)
+        if self.ttft is not None:
+            metrics.time_to_first_token.labels(*labels).observe(self.ttft)
+        if self.tpot is not None:
+            metrics.time_per_output_token.labels(*labels).observe(self.tpot)
         metrics.output_tokens.labels(*labels).inc(self.tokens)
 
 

@@ -11,7 +11,7 @@ import sys
 
 # Subcommand modules, in the order `specdec --help` lists them. A module that fails to import
 # (an optional extra missing) is reported when its command is used, not at every start.
-SUBCOMMANDS = ("generate", "serve", "launch", "client", "models", "distill", "bench", "ray")
+SUBCOMMANDS = ("generate", "serve", "launch", "client", "canary", "models", "distill", "bench", "ray")
 
 
 def build_parser() -> argparse.ArgumentParser:

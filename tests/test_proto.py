@@ -136,7 +136,8 @@ SERVICES = {
         "StartSession", "Propose", "Truncate", "EndSession", "GetInfo"
     },
     (coordinator_pb2, coordinator_pb2_grpc, "CoordinatorService"): {
-        "Generate", "Cancel", "GetSession", "EndSession"
+        "Generate", "Cancel", "GetSession", "EndSession",
+        "GetCanary", "PromoteCanary", "AbortCanary", "PauseCanary", "ResumeCanary",
     },
 }
 

@@ -8,6 +8,7 @@ service runs every call on one model executor thread.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from typing import Callable, Iterator, Sequence
 
@@ -20,6 +21,10 @@ from specdec.sampling.params import SamplingParams
 from specdec.sampling.verify import sample_next, verify_block
 from specdec.types import DraftBlock, VerifyOutcome
 
+# Test-only faults (TargetEngine(fault_injection=...)): deliberate verification bugs, so that tests
+# can show the canary's equality check catching one. Never set in production.
+FAULTS = ("wrong-bonus",)  # wrong-bonus: every bonus token is replaced by the next token id
+
 
 class TargetEngine:
     def __init__(
@@ -27,7 +32,11 @@ class TargetEngine:
         model: CausalLM,
         idle_ttl_s: float = 600.0,
         clock: Callable[[], float] = time.monotonic,
+        fault_injection: str | None = None,  # TEST ONLY, see FAULTS; None in every real deployment
     ):
+        if fault_injection is not None and fault_injection not in FAULTS:
+            raise InvalidArgument(f"fault_injection must be one of {FAULTS} or None, got {fault_injection!r}")
+        self.fault_injection = fault_injection
         self.model = model
         self.sessions: SessionTable[SessionState] = SessionTable(idle_ttl_s, clock)
         self.evictions = 0
@@ -71,6 +80,7 @@ class TargetEngine:
             # Row i of target_logits is the target's distribution for position `position + i`.
             target_logits = self._forward(state, draft.token_ids.tolist(), num_logits=k + 1)  # [k + 1, vocab]
             outcome = verify_block(target_logits, draft, state.params, position)
+            outcome = self.inject_fault(outcome)
             accepted = draft.token_ids[: outcome.num_accepted].tolist()
             state.tokens.extend(accepted + [outcome.next_token])
             # The cache now holds every drafted token; keep only the accepted ones. O(1).
@@ -104,6 +114,14 @@ class TargetEngine:
 
     def end_session(self, session_id: str) -> bool:
         return self._drop(session_id)
+
+    def inject_fault(self, outcome: VerifyOutcome) -> VerifyOutcome:
+        """TEST ONLY: the outcome as the configured fault corrupts it (unchanged without a fault).
+        Every path that commits a verify outcome calls this before committing it."""
+        if self.fault_injection == "wrong-bonus" and outcome.is_bonus:
+            wrong = (outcome.next_token + 1) % self.model.info.vocab_size
+            return dataclasses.replace(outcome, next_token=wrong)
+        return outcome
 
     def expire_idle(self) -> list[str]:
         expired = [s.session_id for s in self.sessions.expired()]

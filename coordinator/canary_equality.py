@@ -1,0 +1,129 @@
+"""The canary's equality check: replay a finished speculative turn on the baseline pool by plain
+decoding and compare the two outputs token for token (ARCHITECTURE.md, "What identical means").
+
+Only turns whose output is determined by the prompt and the parameters qualify: greedy, and
+Gumbel-coupled sampling (the same seed gives the same tokens with or without a draft). The replay
+prefills the committed sequence before the turn on a baseline target, in a session of its own, and
+decodes as many tokens as the turn produced (no stop conditions: the lengths then match, and an
+early EOS on either side shows up as a divergence).
+
+The rule is specdec.generation.equality.compare_outputs. With fp32 targets on both sides it is exact:
+any divergence is a failure. In bf16/fp16 a near-tie may flip between a multi-token verify and a
+one-token decode; telling it from a bug takes the target's logits at the divergence (`rescorer`,
+NextLogits over the shared prefix). The target service has no RPC that returns logits, so without a
+rescorer such a divergence is UNSCORED: counted, and a rollback only when too many are (policy).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from dataclasses import dataclass
+
+from opentelemetry import trace
+
+from specdec.errors import ServiceUnavailable, SessionNotFound
+from specdec.generation.equality import NextLogits, compare_outputs
+from specdec.sampling.params import SamplingMode
+from specdec.store import SessionStore
+
+from coordinator.canary_policy import EqualityResult
+from coordinator.requests import Pool
+from coordinator.routing import TARGET, Router
+
+log = logging.getLogger(__name__)
+
+EXACT_DTYPES = frozenset({"float32", "torch.float32", "fp32"})
+
+
+@dataclass(frozen=True)
+class Replay:
+    """A finished speculative turn to check."""
+
+    session_id: str
+    turn_start: int  # committed length before the turn's first generated token
+    end: int  # committed length after its last
+    time: float  # when the request ended: the check counts in that request's window
+
+
+class EqualityChecker:
+    def __init__(self, sessions: SessionStore, router: Router, tracer: trace.Tracer, *,
+                 rescorer: NextLogits | None = None, tie_threshold: float = 0.05):
+        self.sessions, self.router, self.tracer = sessions, router, tracer
+        self.rescorer, self.tie_threshold = rescorer, tie_threshold
+
+    async def check(self, replay: Replay) -> dict | None:
+        """The check's record (see docs/CANARY.md), or None when the turn does not qualify."""
+        record = await self.sessions.get(replay.session_id)
+        if record is None or not (record.sampling.greedy or record.sampling.mode is SamplingMode.GUMBEL):
+            return None
+        tokens = await self.sessions.tokens(replay.session_id, 0, replay.end - 1)
+        prompt, candidate = tokens[:replay.turn_start], tokens[replay.turn_start:replay.end]
+        if not candidate or len(tokens) < replay.end:
+            return None
+        out = {"t": round(replay.time, 3), "session_id": replay.session_id, "tokens": len(candidate),
+               "speculative_target": record.target_replica}
+        attributes = {"gen_ai.conversation.id": replay.session_id, "specdec.num_tokens": len(candidate)}
+        with self.tracer.start_as_current_span("specdec.canary.equality_check", attributes=attributes) as span:
+            out |= await self._compare(prompt, candidate, record, replay.session_id)
+            span.set_attribute("specdec.canary.equality", out["result"])
+        return out
+
+    async def _compare(self, prompt: list[int], candidate: list[int], record, session_id: str) -> dict:
+        endpoint = await self.router.choose_target(Pool.BASELINE)
+        if endpoint is None:
+            return {"result": EqualityResult.ERROR.value, "detail": "no baseline target is available"}
+        try:
+            reference = await self._plain(endpoint, prompt, len(candidate), record.sampling)
+            exact = await self._is_exact(endpoint) and await self._is_exact(record.target_replica)
+        except (ServiceUnavailable, SessionNotFound) as exc:
+            self.router.failed(endpoint)
+            return {"result": EqualityResult.ERROR.value, "baseline_target": endpoint, "detail": str(exc)}
+        except Exception as exc:  # noqa: BLE001 - a replay that fails says nothing about equality
+            return {"result": EqualityResult.ERROR.value, "baseline_target": endpoint, "detail": repr(exc)}
+        rescorer = None if exact else self.rescorer
+        if rescorer is not None:
+            report = await asyncio.to_thread(compare_outputs, prompt, candidate, reference, rescorer,
+                                             self.tie_threshold)
+        else:
+            report = compare_outputs(prompt, candidate, reference)
+        if report.equal:
+            result = EqualityResult.EQUAL
+        elif report.tie:
+            result = EqualityResult.TIE
+        elif exact or rescorer is not None:
+            result = EqualityResult.FAILED
+        else:
+            result = EqualityResult.UNSCORED
+        out = {"result": result.value, "baseline_target": endpoint, "divergence": report.divergence,
+               "logit_gap": report.logit_gap}
+        if report.divergence is not None and report.divergence < len(candidate):
+            i = report.divergence
+            out["detail"] = (f"session {session_id} token {i}: speculative {candidate[i]}, "
+                             f"plain decoding {reference[i] if i < len(reference) else None}")
+        return out
+
+    async def _plain(self, endpoint: str, prompt: list[int], n: int, params) -> list[int]:
+        """n tokens of plain decoding after `prompt` on a baseline target, in a throwaway session."""
+        client = self.router.target(endpoint)
+        replay_id = f"canary-replay-{uuid.uuid4().hex}"
+        try:
+            position, first = await client.start_session(replay_id, prompt, params)
+            rest = await client.decode(replay_id, position, n - 1) if n > 1 else []
+            return [first, *rest]
+        finally:
+            with contextlib.suppress(Exception):
+                await client.end_session(replay_id)
+
+    async def _is_exact(self, endpoint: str) -> bool:
+        """Whether the target computes in fp32 (unknown endpoints count as exact: the baseline's
+        dtype decides then)."""
+        if not endpoint:
+            return True
+        try:
+            description = await self.router.describe(TARGET, endpoint)
+        except Exception:  # noqa: BLE001 - gone since the turn: the baseline's dtype decides
+            return True
+        return description.model.dtype in EXACT_DTYPES
