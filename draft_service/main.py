@@ -53,6 +53,7 @@ class DraftServiceSettings:
     max_draft_tokens: int = 16
     session_ttl_s: float = 600.0
     ready_file: Path | None = None
+    test_delay_ms: int = 0  # TEST ONLY: every Propose sleeps this long (a slow draft, docs/CANARY.md)
 
     def __post_init__(self) -> None:
         if self.proposer not in PROPOSERS:
@@ -86,6 +87,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram to match (--proposer ngram)")
     g.add_argument("--num-draft-tokens", type=int, default=4, help="draft length when a request names none")
     g.add_argument("--max-draft-tokens", type=int, default=16, help="most tokens one Propose may draft")
+    g.add_argument("--test-delay-ms", type=int, default=0,
+                   help="TEST ONLY: make every Propose this much slower (a slow draft for canary tests)")
     service.add_model_arguments(g, num_slots_help="draft KV cache slots (idle sessions are evicted)")
     add_server_arguments(parser, port=DEFAULT_PORT, metrics_port=DEFAULT_METRICS_PORT)
 
@@ -95,7 +98,8 @@ def settings_from_args(args: argparse.Namespace) -> DraftServiceSettings:
         server=server_settings_from_args(args, service=SERVICE),
         proposer=args.proposer, model=args.model, tokenizer=args.tokenizer, top_m=args.top_m,
         ngram_max=args.ngram_max, ngram_min=args.ngram_min, num_draft_tokens=args.num_draft_tokens,
-        max_draft_tokens=args.max_draft_tokens, **service.model_settings_from_args(args),
+        max_draft_tokens=args.max_draft_tokens, test_delay_ms=args.test_delay_ms,
+        **service.model_settings_from_args(args),
     )
 
 
@@ -126,9 +130,23 @@ def build_engine(settings: DraftServiceSettings):
         proposer = DraftModelProposer(model, top_m=settings.top_m)
         info, top_m = model.info, settings.top_m
     engine = DraftEngine(proposer, idle_ttl_s=settings.session_ttl_s, max_draft_tokens=settings.max_draft_tokens)
+    if settings.test_delay_ms > 0:
+        engine.propose = _slowed(engine.propose, settings.test_delay_ms / 1000)
     config = DraftServiceConfig(info, tokenizer.vocab_fingerprint, tokenizer.eos_token_ids, settings.num_draft_tokens,
                                 top_m, info.max_context)
     return engine, config
+
+
+def _slowed(propose, delay_s: float):
+    """TEST ONLY (--test-delay-ms): propose, after sleeping on the model thread."""
+    import time
+
+    log.warning("TEST ONLY: every Propose is delayed by %.0f ms (--test-delay-ms)", delay_s * 1000)
+
+    def slowed(*args, **kwargs):
+        time.sleep(delay_s)
+        return propose(*args, **kwargs)
+    return slowed
 
 
 async def serve_draft(settings: DraftServiceSettings, engine, config, tracer_provider=None) -> None:

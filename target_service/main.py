@@ -41,6 +41,7 @@ class TargetServiceSettings:
     session_ttl_s: float = 600.0
     max_draft_tokens: int = 64
     ready_file: Path | None = None
+    test_fault: str | None = None  # TEST ONLY: TargetEngine(fault_injection=...), docs/CANARY.md
 
     def __post_init__(self) -> None:
         service.check_model_settings(self.num_slots, self.max_context, self.session_ttl_s)
@@ -54,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=env("SPECDEC_TARGET_MODEL", "smollm2-135m-instruct"),
                    help="registry name or Hugging Face model directory (default: %(default)s)")
     g.add_argument("--max-draft-tokens", type=int, default=64, help="most draft tokens one Verify may carry")
+    g.add_argument("--test-fault", choices=["wrong-bonus"], default=None,
+                   help="TEST ONLY: corrupt verification (every bonus token) so that the canary's equality "
+                        "check has a bug to catch (docs/CANARY.md); never in production")
     service.add_model_arguments(g, num_slots_help="sessions whose KV caches fit at once")
     add_server_arguments(parser, port=DEFAULT_PORT, metrics_port=DEFAULT_METRICS_PORT)
 
@@ -61,7 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def settings_from_args(args: argparse.Namespace) -> TargetServiceSettings:
     return TargetServiceSettings(
         server=server_settings_from_args(args, service=SERVICE), model=args.model,
-        max_draft_tokens=args.max_draft_tokens, **service.model_settings_from_args(args),
+        max_draft_tokens=args.max_draft_tokens, test_fault=args.test_fault,
+        **service.model_settings_from_args(args),
     )
 
 
@@ -91,7 +96,9 @@ def run(settings: TargetServiceSettings) -> int:
              settings.device, settings.dtype)
     model = load_model(model_dir, backend=settings.backend, device=settings.device, dtype=settings.dtype,
                        num_slots=settings.num_slots, max_context=settings.max_context, name=settings.model)
-    engine = TargetEngine(model, idle_ttl_s=settings.session_ttl_s)
+    if settings.test_fault:
+        log.warning("TEST ONLY: verification is corrupted on purpose (--test-fault %s)", settings.test_fault)
+    engine = TargetEngine(model, idle_ttl_s=settings.session_ttl_s, fault_injection=settings.test_fault)
     tokenizer = tokenizer_facts(model_dir)
     return service.run_traced(settings.server, lambda provider: serve_target(settings, engine, tokenizer, provider))
 
