@@ -54,6 +54,7 @@ class DraftServiceSettings:
     session_ttl_s: float = 600.0
     ready_file: Path | None = None
     test_delay_ms: int = 0  # TEST ONLY: every Propose sleeps this long (a slow draft, docs/CANARY.md)
+    batching: service.BatchSettings = service.BatchSettings()
 
     def __post_init__(self) -> None:
         if self.proposer not in PROPOSERS:
@@ -90,6 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--test-delay-ms", type=int, default=0,
                    help="TEST ONLY: make every Propose this much slower (a slow draft for canary tests)")
     service.add_model_arguments(g, num_slots_help="draft KV cache slots (idle sessions are evicted)")
+    service.add_batching_arguments(g, what="Propose calls")
     add_server_arguments(parser, port=DEFAULT_PORT, metrics_port=DEFAULT_METRICS_PORT)
 
 
@@ -99,7 +101,7 @@ def settings_from_args(args: argparse.Namespace) -> DraftServiceSettings:
         proposer=args.proposer, model=args.model, tokenizer=args.tokenizer, top_m=args.top_m,
         ngram_max=args.ngram_max, ngram_min=args.ngram_min, num_draft_tokens=args.num_draft_tokens,
         max_draft_tokens=args.max_draft_tokens, test_delay_ms=args.test_delay_ms,
-        **service.model_settings_from_args(args),
+        batching=service.batch_settings_from_args(args), **service.model_settings_from_args(args),
     )
 
 
@@ -130,8 +132,8 @@ def build_engine(settings: DraftServiceSettings):
         proposer = DraftModelProposer(model, top_m=settings.top_m)
         info, top_m = model.info, settings.top_m
     engine = DraftEngine(proposer, idle_ttl_s=settings.session_ttl_s, max_draft_tokens=settings.max_draft_tokens)
-    if settings.test_delay_ms > 0:
-        engine.propose = _slowed(engine.propose, settings.test_delay_ms / 1000)
+    if settings.test_delay_ms > 0:  # begin_propose: every Propose passes it, batched or not
+        engine.begin_propose = _slowed(engine.begin_propose, settings.test_delay_ms / 1000)
     config = DraftServiceConfig(info, tokenizer.vocab_fingerprint, tokenizer.eos_token_ids, settings.num_draft_tokens,
                                 top_m, info.max_context)
     return engine, config
@@ -156,7 +158,7 @@ async def serve_draft(settings: DraftServiceSettings, engine, config, tracer_pro
     from specdec.rpc import draft_pb2_grpc
 
     def build_servicer(executor, registry) -> DraftServicer:
-        return DraftServicer(engine, executor, DraftMetrics(registry), config)
+        return DraftServicer(engine, executor, DraftMetrics(registry), config, settings.batching)
 
     await service.serve_model_service(
         settings.server, build_servicer, draft_pb2_grpc.add_DraftServiceServicer_to_server, DRAFT_SERVICE_NAME,

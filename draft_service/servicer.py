@@ -7,6 +7,10 @@ here, as FAILED_PRECONDITION with trailing metadata "specdec-actual-position" (t
 draft's whole sequence, drafted tokens included) and "specdec-latest-epoch" (its newest proposal),
 as draft.proto specifies; the session is left as it was.
 
+Continuous batching: Propose calls of concurrent sessions go through a Batcher, which runs everything
+queued as one batched step (specdec.engine.draft_batch: each accept/rollback applied on its own, then
+step t of every proposal drafted in one forward); a call that arrives during a step joins the next.
+
 Pipelining: this build drafts sequentially. A proposal's parent is the session's latest epoch, the
 only live one; `speculative=true` (draft the next block while the parent is being verified) is
 refused with UNIMPLEMENTED "pipelined drafting is not enabled in this build" until the engine grows
@@ -17,12 +21,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Iterable, Sequence
 
 import grpc
 
 from specdec.engine.api import Proposal
+from specdec.engine.batcher import Batcher
 from specdec.engine.draft import DraftEngine
+from specdec.engine.draft_batch import ProposeWork, run_propose_batch
 from specdec.errors import (
     ContextOverflow,
     EpochMismatch,
@@ -37,6 +43,7 @@ from specdec.observability.spans import SPECDEC_NUM_DRAFT_TOKENS, SPECDEC_POSITI
 from specdec.rpc import ACTUAL_POSITION_KEY, LATEST_EPOCH_KEY, draft_pb2, draft_pb2_grpc
 from specdec.rpc_convert import model_info_to_proto, pack_distributions, sampling_params_from_proto
 from specdec.server.bootstrap import ModelExecutor
+from specdec.server.service import BatchSettings
 from specdec.server.model_servicer import SPECDEC_SESSION_ID, EngineServicer, annotate, check_session_id
 
 DRAFT_SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
@@ -77,24 +84,31 @@ def _start(engine: DraftEngine, session_id: str, tokens: list[int], params) -> i
     return engine.start_session(session_id, tokens, params)
 
 
-def _propose(engine: DraftEngine, *args: Any) -> Proposal | _Mismatch:
-    try:
-        return engine.propose(*args)
-    except (PositionMismatch, EpochMismatch) as exc:
-        state = engine.sessions.get(args[0])
-        return _Mismatch(exc, state.position, state.epoch)
+def _propose_batch(engine: DraftEngine, works: list[ProposeWork]) -> list[Proposal | _Mismatch | Exception]:
+    """The batched step; a refused parent epoch or keep position comes back with the session's
+    state, read on the model thread right after the step."""
+    results: list[Proposal | _Mismatch | Exception] = list(run_propose_batch(engine, works))
+    for index, (work, result) in enumerate(zip(works, results)):
+        if isinstance(result, (PositionMismatch, EpochMismatch)):
+            state = engine.sessions.get(work.session_id)
+            results[index] = _Mismatch(result, state.position, state.epoch)
+    return results
 
 
 class DraftServicer(EngineServicer, draft_pb2_grpc.DraftServiceServicer):
     TRUNCATE_RESPONSE = draft_pb2.DraftServiceTruncateResponse
     END_SESSION_RESPONSE = draft_pb2.DraftServiceEndSessionResponse
 
-    def __init__(self, engine: DraftEngine, executor: ModelExecutor, metrics: DraftMetrics, config: DraftServiceConfig):
+    def __init__(self, engine: DraftEngine, executor: ModelExecutor, metrics: DraftMetrics, config: DraftServiceConfig,
+                 batching: BatchSettings = BatchSettings()):
         self.engine = engine
         self.executor = executor
         self.metrics = metrics
         self.config = config
         self.proposer = engine.proposer.name
+        self.batcher = Batcher(executor, lambda works: _propose_batch(engine, works),
+                               max_batch_size=batching.max_batch_size, batch_wait_s=batching.batch_wait_s,
+                               on_step=self._observe_batch)
         self._session_num_draft_tokens: dict[str, int] = {}  # ProposerOptions.num_draft_tokens, if set
         self.update_gauges()
 
@@ -130,8 +144,8 @@ class DraftServicer(EngineServicer, draft_pb2_grpc.DraftServiceServicer):
         appended = list(request.append_token_ids)
         self._check_tokens(appended, request.keep_position, "append_token_ids")
         started = time.perf_counter()
-        result = await self._run(
-            _propose, self.engine, request.session_id, request.keep_position, appended, k, request.parent_epoch
+        result = await self.batcher.submit(
+            ProposeWork(request.session_id, request.keep_position, tuple(appended), k, request.parent_epoch)
         )
         if isinstance(result, _Mismatch):
             trailing = ((ACTUAL_POSITION_KEY, str(result.length)), (LATEST_EPOCH_KEY, str(result.latest_epoch)))
@@ -173,6 +187,13 @@ class DraftServicer(EngineServicer, draft_pb2_grpc.DraftServiceServicer):
         if model is not None:
             self.metrics.kv_cache_slots_total.set(model.num_slots)
             self.metrics.kv_cache_slots_used.set(model.num_slots - model.num_free_slots)
+
+    async def aclose(self) -> None:
+        await self.batcher.aclose()
+
+    def _observe_batch(self, works: list, results: list, seconds: float) -> None:
+        self.metrics.batch_size.labels(self.proposer).observe(len(works))
+        self.update_gauges()
 
     # ---- internals ---------------------------------------------------------------------------
 

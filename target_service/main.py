@@ -42,6 +42,7 @@ class TargetServiceSettings:
     max_draft_tokens: int = 64
     ready_file: Path | None = None
     test_fault: str | None = None  # TEST ONLY: TargetEngine(fault_injection=...), docs/CANARY.md
+    batching: service.BatchSettings = service.BatchSettings()
 
     def __post_init__(self) -> None:
         service.check_model_settings(self.num_slots, self.max_context, self.session_ttl_s)
@@ -59,6 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="TEST ONLY: corrupt verification (every bonus token) so that the canary's equality "
                         "check has a bug to catch (docs/CANARY.md); never in production")
     service.add_model_arguments(g, num_slots_help="sessions whose KV caches fit at once")
+    service.add_batching_arguments(g, what="Verify and Decode steps")
     add_server_arguments(parser, port=DEFAULT_PORT, metrics_port=DEFAULT_METRICS_PORT)
 
 
@@ -66,7 +68,7 @@ def settings_from_args(args: argparse.Namespace) -> TargetServiceSettings:
     return TargetServiceSettings(
         server=server_settings_from_args(args, service=SERVICE), model=args.model,
         max_draft_tokens=args.max_draft_tokens, test_fault=args.test_fault,
-        **service.model_settings_from_args(args),
+        batching=service.batch_settings_from_args(args), **service.model_settings_from_args(args),
     )
 
 
@@ -77,7 +79,8 @@ async def serve_target(settings: TargetServiceSettings, engine, tokenizer, trace
     from target_service.servicer import TARGET_SERVICE_NAME, TargetServicer
 
     def build_servicer(executor, registry) -> TargetServicer:
-        return TargetServicer(engine, executor, TargetMetrics(registry), tokenizer, settings.max_draft_tokens)
+        return TargetServicer(engine, executor, TargetMetrics(registry), tokenizer, settings.max_draft_tokens,
+                              settings.batching)
 
     await service.serve_model_service(
         settings.server, build_servicer, target_pb2_grpc.add_TargetServiceServicer_to_server, TARGET_SERVICE_NAME,

@@ -6,15 +6,24 @@ errors (specdec.errors) are left to the error-mapping interceptor of specdec.ser
 into status codes; a PositionMismatch travels as FAILED_PRECONDITION with the session's actual
 position in the trailing metadata. The per-RPC server span comes from the OpenTelemetry interceptor;
 handlers only add attributes to it. Verification itself lives in the engine and specdec.sampling.
+
+Continuous batching: Verify and Decode work of concurrent sessions goes through a Batcher, which runs
+everything queued as one batched engine step (specdec.engine.batch: one forward over rows at
+different positions and lengths); a call that arrives during a step joins the next. A multi-token
+Decode is a sequence of one-token steps, each joining a batch. StartSession (prefill), Truncate and
+EndSession run on the same model thread directly.
 """
 
 from __future__ import annotations
 
+import functools
 import time
-from typing import Any, Callable, Collection, Sequence
+from typing import Any, Callable
 
+from specdec.engine.batch import DecodeWork, VerifyWork, run_target_batch
+from specdec.engine.batcher import Batcher, decode_steps
 from specdec.engine.target import TargetEngine
-from specdec.errors import ContextOverflow, InvalidArgument
+from specdec.errors import InvalidArgument
 from specdec.observability.metrics import TargetMetrics
 from specdec.observability.spans import SPECDEC_NUM_ACCEPTED, SPECDEC_NUM_DRAFT_TOKENS, SPECDEC_POSITION
 from specdec.rpc import target_pb2, target_pb2_grpc
@@ -25,41 +34,12 @@ from specdec.rpc_convert import (
     verify_outcome_to_proto,
 )
 from specdec.server.bootstrap import ModelExecutor
+from specdec.server.service import BatchSettings
 from specdec.server.model_servicer import SPECDEC_SESSION_ID, EngineServicer, annotate, check_session_id
 from specdec.server.tokenizer_info import TokenizerFacts
 
 TARGET_SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 SPECDEC_DRAFT_EPOCH = "specdec.draft_epoch"
-
-
-def decode_until_stop(
-    engine: TargetEngine,
-    session_id: str,
-    position: int,
-    num_tokens: int,
-    append_token_ids: Sequence[int],
-    stop_token_ids: Collection[int],
-) -> list[int]:
-    """engine.decode that ends right after a stop token (which is committed, like the others).
-
-    Runs on the model thread in one go, so no other session's call interleaves with its steps. The
-    whole budget is checked against the context before anything is committed, as engine.decode does.
-    """
-    stop = frozenset(stop_token_ids)
-    if not stop or num_tokens <= 1:
-        return engine.decode(session_id, position, num_tokens, append_token_ids)
-    state = engine.sessions.get(session_id)
-    extra = len(append_token_ids) + num_tokens
-    limit = engine.info.max_context
-    if state.position == position and position + extra > limit:  # a mismatch is decode's to report
-        raise ContextOverflow(
-            f"session {session_id!r} is at position {position}; {extra} more tokens would pass the "
-            f"context length {limit} (at most {max(0, limit - position)} fit)"
-        )
-    generated = engine.decode(session_id, position, 1, append_token_ids)
-    while generated[-1] not in stop and len(generated) < num_tokens:
-        generated += engine.decode(session_id, position + len(append_token_ids) + len(generated), 1)
-    return generated
 
 
 class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
@@ -73,12 +53,16 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
         metrics: TargetMetrics,
         tokenizer: TokenizerFacts = TokenizerFacts(),
         max_draft_tokens: int = 64,
+        batching: BatchSettings = BatchSettings(),
     ):
         self.engine = engine
         self.executor = executor
         self.metrics = metrics
         self.tokenizer = tokenizer
         self.max_draft_tokens = max_draft_tokens
+        self.batcher = Batcher(executor, functools.partial(run_target_batch, engine),
+                               max_batch_size=batching.max_batch_size, batch_wait_s=batching.batch_wait_s,
+                               on_step=self._observe_batch)
         self._evictions_seen = engine.evictions
         self.update_gauges()
 
@@ -109,7 +93,7 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
             )
         rows = request.draft_distributions if request.HasField("draft_distributions") else None
         block = unpack_distributions(rows, request.draft_token_ids)
-        outcome = await self._step("verify", k + 1, self.engine.verify, request.session_id, request.position, block)
+        outcome = await self.batcher.submit(VerifyWork(request.session_id, request.position, block))
         annotate(**{SPECDEC_NUM_ACCEPTED: outcome.num_accepted,
                     "specdec.next_token_kind": "bonus" if outcome.is_bonus else "recovered"})
         return verify_outcome_to_proto(outcome, request.draft_epoch)
@@ -119,12 +103,8 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
         appended = list(request.append_token_ids)
         annotate(**{SPECDEC_SESSION_ID: request.session_id, SPECDEC_POSITION: request.position,
                     "specdec.num_appended_tokens": len(appended), "specdec.num_tokens": request.num_tokens})
-        started = time.perf_counter()
-        tokens = await self._run(
-            decode_until_stop, self.engine, request.session_id, request.position, request.num_tokens,
-            appended, request.stop_token_ids,
-        )
-        self._observe("decode", started, len(appended) + len(tokens))
+        tokens = await decode_steps(self.batcher, request.session_id, request.position, request.num_tokens,
+                                    appended, request.stop_token_ids)
         annotate(**{"specdec.num_generated_tokens": len(tokens)})
         return target_pb2.TargetServiceDecodeResponse(
             token_ids=tokens, position=request.position + len(appended) + len(tokens)
@@ -153,6 +133,9 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
             self.metrics.evictions.inc(evictions - self._evictions_seen)
             self._evictions_seen = evictions
 
+    async def aclose(self) -> None:
+        await self.batcher.aclose()
+
     # ---- internals ---------------------------------------------------------------------------
 
     async def _step(self, step: str, num_tokens: int, fn: Callable[..., Any], *args: Any) -> Any:
@@ -163,5 +146,18 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
 
     def _observe(self, step: str, started: float, num_tokens: int) -> None:
         self.metrics.step_latency.labels(step).observe(time.perf_counter() - started)
-        self.metrics.batch_size.labels(step).observe(1)  # one session per forward pass until batching
+        self.metrics.batch_size.labels(step).observe(1)  # a prefill runs alone
         self.metrics.tokens.labels(step).inc(num_tokens)
+
+    def _observe_batch(self, works: list, results: list, seconds: float) -> None:
+        """After each batched step: its duration, rows and tokens, labelled verify, decode or mixed;
+        the rows of the latest step as the current load (the coordinator's adaptive draft length
+        sees the same load as longer verify times)."""
+        verify_tokens = sum(w.draft.num_tokens + 1 for w in works if isinstance(w, VerifyWork))
+        decode_tokens = sum(len(w.append_token_ids) + w.num_tokens for w in works if isinstance(w, DecodeWork))
+        step = "mixed" if verify_tokens and decode_tokens else "verify" if verify_tokens else "decode"
+        self.metrics.step_latency.labels(step).observe(seconds)
+        self.metrics.batch_size.labels(step).observe(len(works))
+        self.metrics.tokens.labels(step).inc(verify_tokens + decode_tokens)
+        self.metrics.batch_rows.set(len(works))
+        self.update_gauges()

@@ -187,6 +187,7 @@ def _verify(engine: TargetEngine, rows: list[_Row], results: list) -> None:
             results[row.index] = exc
         return
     for row, outcome in zip(rows, outcomes):
+        outcome = engine.inject_fault(outcome)  # test-only canary fault; the identity otherwise
         accepted = row.work.draft.token_ids[: outcome.num_accepted].tolist()
         row.state.tokens.extend(accepted + [outcome.next_token])
         # The cache now holds every drafted token; keep only the accepted ones. O(1).

@@ -44,8 +44,8 @@ class Batcher(Generic[W, R]):
         batch_wait_s: float = 0.0,
         on_step: StepObserver | None = None,
     ):
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if max_batch_size < 1 or not batch_wait_s >= 0:
+            raise ValueError(f"need max_batch_size >= 1 and batch_wait_s >= 0, got {max_batch_size}, {batch_wait_s}")
         self.executor = executor
         self.step = step
         self.max_batch_size = max_batch_size

@@ -170,7 +170,8 @@ class _CacheMetrics:
 
 
 class TargetMetrics(_CacheMetrics):
-    """Forward passes of the target model; `step` is prefill, verify or decode."""
+    """Forward passes of the target model; `step` is prefill, verify, decode or mixed (a batched
+    forward with verify and decode rows)."""
 
     def __init__(self, registry: CollectorRegistry):
         super().__init__(registry, "target")
@@ -186,6 +187,7 @@ class TargetMetrics(_CacheMetrics):
             **common,
         )
         self.tokens = Counter("tokens", "Tokens processed by forward passes.", ("step",), **common)
+        self.batch_rows = Gauge("batch_rows", "Sessions (rows) in the latest batched forward pass.", **common)
 
 
 class DraftMetrics(_CacheMetrics):
@@ -202,6 +204,10 @@ class DraftMetrics(_CacheMetrics):
             **common,
         )
         self.proposed_tokens = Counter("proposed_tokens", "Draft tokens proposed.", ("proposer",), **common)
+        self.batch_size = Histogram(
+            "batch_size", "Propose calls drafted together in one batched step.", ("proposer",),
+            buckets=BATCH_BUCKETS, **common,
+        )
 
 
 @dataclass

@@ -68,6 +68,9 @@ class EngineServicer:
     def forget_sessions(self, session_ids: Iterable[str]) -> None:
         """Drop the servicer's own state of sessions that ended or expired."""
 
+    async def aclose(self) -> None:
+        """At shutdown, before the model thread closes: stop what the servicer runs (a batcher)."""
+
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """fn(*args) on the model thread; the gauges are updated however it ends."""
         try:

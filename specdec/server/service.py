@@ -21,6 +21,7 @@ import logging
 import os
 import sys
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,32 @@ def model_settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The add_model_arguments flags as keyword arguments of a service's settings."""
     return {"backend": args.backend, "device": args.device, "dtype": args.dtype, "num_slots": args.num_slots,
             "max_context": args.max_context, "session_ttl_s": args.session_ttl, "ready_file": args.ready_file}
+
+
+@dataclass(frozen=True)
+class BatchSettings:
+    """Continuous batching of a model service (--max-batch-size, --batch-wait-ms)."""
+
+    max_batch_size: int = 16  # work items (sessions' rows) per batched step
+    batch_wait_s: float = 0.0  # hold a non-full batch this long for more work (0: never wait)
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ConfigError(f"--max-batch-size must be >= 1, got {self.max_batch_size}")
+        if not 0 <= self.batch_wait_s <= 1:
+            raise ConfigError(f"--batch-wait-ms must be in [0, 1000], got {self.batch_wait_s * 1000:g}")
+
+
+def add_batching_arguments(group: Any, *, what: str) -> None:
+    group.add_argument("--max-batch-size", type=int, default=16,
+                       help=f"most {what} of concurrent sessions run in one batched step (1: no batching)")
+    group.add_argument("--batch-wait-ms", type=float, default=0.0,
+                       help="hold a non-full batch this long for more work (default 0: a lone request "
+                            "starts at once; a request arriving during a step joins the next one anyway)")
+
+
+def batch_settings_from_args(args: argparse.Namespace) -> BatchSettings:
+    return BatchSettings(args.max_batch_size, args.batch_wait_ms / 1000)
 
 
 def check_model_settings(num_slots: int, max_context: int | None, session_ttl_s: float) -> None:
@@ -142,7 +169,7 @@ async def serve_model_service(
     `build_servicer(executor, registry)` makes the servicer: its engine calls go through the
     ModelExecutor `executor`, its metrics into the Prometheus `registry` served on /metrics. Once
     serving, `servicer.expire_idle_sessions(interval)` runs until shutdown and the ready file is
-    written; at shutdown the executor finishes its last call and closes.
+    written; at shutdown `servicer.aclose()` runs, then the executor finishes its last call and closes.
     """
     import asyncio
 
@@ -168,5 +195,5 @@ async def serve_model_service(
         for task in tasks:
             task.cancel()
 
-    await serve(settings, register, on_shutdown=[stop_tasks, executor.aclose],
+    await serve(settings, register, on_shutdown=[stop_tasks, servicer.aclose, executor.aclose],
                 tracer_provider=tracer_provider, registry=registry, on_started=started)
