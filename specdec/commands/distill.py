@@ -1,0 +1,211 @@
+"""`specdec distill`: train a draft for a target by self-distillation (see docs/DISTILLATION.md).
+
+    specdec distill generate-data --target T --out data/        # the target writes prompts and answers
+    specdec distill make-eval --target T --prompts dev.jsonl --out eval.npz   # held-out references
+    specdec distill train --target T --data data/ --out run/ [--eval eval.npz]
+    specdec distill evaluate --draft run/h256-l3-i768-kv2 --eval eval.npz
+    specdec distill cost --draft D --target T                   # CPU decode step, draft vs target
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+
+log = logging.getLogger(__name__)
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("distill", help="train a draft model for a target (self-distillation)",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.set_defaults(func=lambda args: (parser.print_help(), 2)[1])
+    add_subcommands(parser)
+
+
+def add_subcommands(parser: argparse.ArgumentParser) -> None:
+    from specdec.distill.draft import DEFAULT_DRAFT
+
+    sub = parser.add_subparsers(dest="distill_command", metavar="STEP")
+
+    g = sub.add_parser("generate-data", help="target-generated prompts and answers, one shard per chunk")
+    g.add_argument("--target", required=True, help="target: HF directory, .gguf file or registry name")
+    g.add_argument("--out", required=True, help="output directory for shard-*.npz")
+    g.add_argument("--seeds", default=None, help="seed corpus JSON (default: the project's own)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--chunks", type=int, default=1)
+    g.add_argument("--first-chunk", type=int, default=0)
+    g.add_argument("--prompts-per-chunk", type=int, default=2048)
+    g.add_argument("--batch-size", type=int, default=512)
+    g.add_argument("--max-batch-tokens", type=int, default=512 * 640)
+    g.add_argument("--max-user-tokens", type=int, default=96)
+    g.add_argument("--max-answer-tokens", type=int, default=320)
+    g.add_argument("--max-passage-answer-tokens", type=int, default=256)
+    g.add_argument("--time-budget", type=float, default=0.0, help="seconds; no new chunk starts after it")
+    _device_args(g, default_dtype="bfloat16")
+    g.set_defaults(func=_generate_data)
+
+    e = sub.add_parser("make-eval", help="the target's greedy answers to held-out Spec-Bench-format prompts")
+    e.add_argument("--target", required=True)
+    e.add_argument("--prompts", required=True, help="jsonl with question_id, category, turns")
+    e.add_argument("--out", required=True, help="output .npz")
+    e.add_argument("--max-new-tokens", type=int, default=256)
+    _device_args(e, default_dtype="float32")
+    e.set_defaults(func=_make_eval)
+
+    t = sub.add_parser("train", help="train drafts with online soft labels from the target")
+    t.add_argument("--target", required=True)
+    t.add_argument("--data", required=True, help="directory of shard-*.npz (generate-data)")
+    t.add_argument("--out", required=True, help="run directory: state.pt, train_log.jsonl, one HF dir per draft")
+    t.add_argument("--draft", action="append", default=None,
+                   help=f"draft size spec, repeatable (default {DEFAULT_DRAFT})")
+    t.add_argument("--eval", default=None, help="held-out reference answers (make-eval), for the learning curve")
+    t.add_argument("--max-steps", type=int, default=1000)
+    t.add_argument("--time-budget", type=float, default=0.0,
+                   help="seconds; with --max-steps 0 the LR schedule follows elapsed time")
+    t.add_argument("--stop-at-step", type=int, default=0,
+                   help="save and stop after this step; rerun with the same --out to continue the schedule")
+    t.add_argument("--reload-data", action="store_true",
+                   help="rescan --data at each epoch (train while generate-data still writes shards)")
+    t.add_argument("--batch-tokens", type=int, default=16384)
+    t.add_argument("--max-len", type=int, default=1024)
+    t.add_argument("--lr", type=float, default=2e-3)
+    t.add_argument("--warmup-steps", type=int, default=100)
+    t.add_argument("--kd-weight", type=float, default=1.0)
+    t.add_argument("--ce-weight", type=float, default=0.5)
+    t.add_argument("--prompt-weight", type=float, default=0.1)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--log-every", type=int, default=10)
+    t.add_argument("--eval-every", type=int, default=500)
+    t.add_argument("--save-every", type=int, default=500)
+    _device_args(t, default_dtype="bfloat16")
+    t.set_defaults(func=_train)
+
+    v = sub.add_parser("evaluate", help="agreement and speculative acceptance per category")
+    v.add_argument("--draft", required=True, help="draft HF directory or registry name")
+    v.add_argument("--eval", required=True, help="reference answers (make-eval)")
+    v.add_argument("--k", type=int, default=4, help="draft tokens per speculative step")
+    v.add_argument("--head-vocab", type=int, nargs="*", default=[],
+                   help="also score reduced heads of the N most frequent answer tokens (one or more N)")
+    v.add_argument("--head-data", default=None, help="shards whose answer-token counts pick the reduced head")
+    v.add_argument("--head-out", default=None, help="write each reduced head's token ids to PREFIX.N.json")
+    v.add_argument("--json-out", default=None)
+    _device_args(v, default_dtype="float32")
+    v.set_defaults(func=_evaluate)
+
+    c = sub.add_parser("cost", help="CPU decode-step time of draft and target (batch 1), and their ratio")
+    c.add_argument("--draft", required=True, help="draft HF directory or registry name")
+    c.add_argument("--target", required=True, help="target HF directory or registry name")
+    c.add_argument("--backend", default="native", choices=("native", "hf"))
+    c.add_argument("--context", type=int, default=300)
+    c.add_argument("--repeats", type=int, default=40)
+    c.add_argument("--threads", type=int, default=2)
+    c.set_defaults(func=_cost)
+
+
+def _device_args(p: argparse.ArgumentParser, default_dtype: str) -> None:
+    import torch
+
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=default_dtype, choices=_DTYPES, help="target weights' dtype")
+
+
+def _dtype(name: str):
+    import torch
+
+    return getattr(torch, name)
+
+
+def _generate_data(args) -> int:
+    from specdec.distill.batched_llama import BatchedLlama
+    from specdec.distill.generate import GenerateConfig, generate_data
+    from specdec.distill.prompts import load_seeds
+    from specdec.distill.target import load_target, load_tokenizer
+
+    cfg = GenerateConfig(
+        out_dir=args.out, seed=args.seed, chunks=args.chunks, first_chunk=args.first_chunk,
+        prompts_per_chunk=args.prompts_per_chunk, batch_size=args.batch_size,
+        max_batch_tokens=args.max_batch_tokens, max_user_tokens=args.max_user_tokens,
+        max_answer_tokens=args.max_answer_tokens, max_passage_answer_tokens=args.max_passage_answer_tokens,
+        time_budget_s=args.time_budget,
+    )
+    target = load_target(args.target, args.device, _dtype(args.dtype))
+    stats = generate_data(BatchedLlama(target), load_tokenizer(args.target), load_seeds(args.seeds), cfg)
+    print(json.dumps({"chunks": len(stats), "tokens": sum(s["total_tokens"] for s in stats)}))
+    return 0
+
+
+def _make_eval(args) -> int:
+    from specdec.distill.batched_llama import BatchedLlama
+    from specdec.distill.generate import generate_eval_set
+    from specdec.distill.target import load_target, load_tokenizer
+
+    target = load_target(args.target, args.device, _dtype(args.dtype))
+    records = generate_eval_set(BatchedLlama(target), load_tokenizer(args.target), args.prompts, args.out,
+                                args.max_new_tokens)
+    print(json.dumps({"records": len(records), "answer_tokens": int(sum(len(r.tokens) - r.prompt_len for r in records))}))
+    return 0
+
+
+def _train(args) -> int:
+    from specdec.distill.draft import DEFAULT_DRAFT
+    from specdec.distill.target import load_target, load_tokenizer
+    from specdec.distill.train import TrainConfig, Trainer, set_seed
+
+    set_seed(args.seed)
+    cfg = TrainConfig(
+        data_dir=args.data, out_dir=args.out, target=args.target, drafts=tuple(args.draft or [DEFAULT_DRAFT]),
+        eval_file=args.eval, max_steps=args.max_steps, time_budget_s=args.time_budget, reload_data=args.reload_data,
+        stop_at_step=args.stop_at_step,
+        batch_tokens=args.batch_tokens, max_len=args.max_len, lr=args.lr, warmup_steps=args.warmup_steps,
+        kd_weight=args.kd_weight, ce_weight=args.ce_weight, prompt_weight=args.prompt_weight, seed=args.seed,
+        log_every=args.log_every, eval_every=args.eval_every, save_every=args.save_every, device=args.device,
+    )
+    target = load_target(args.target, args.device, _dtype(args.dtype))
+    final = Trainer(cfg, target, load_tokenizer(args.target)).train()
+    print(json.dumps(final))
+    return 0
+
+
+def _evaluate(args) -> int:
+    from transformers import AutoModelForCausalLM
+
+    from specdec.distill.data import load_dir, load_shard
+    from specdec.distill.evaluate import head_vocab, match_vectors, summarize
+
+    from specdec.models.registry import resolve_model
+
+    draft = AutoModelForCausalLM.from_pretrained(resolve_model(args.draft), dtype=_dtype(args.dtype)).to(args.device)
+    records = load_shard(args.eval)
+    result = {"full_head": summarize(records, match_vectors(draft, records, args.device), args.k)}
+    source = (load_dir(args.head_data) if args.head_data else records) if args.head_vocab else []
+    for size in args.head_vocab:
+        ids, coverage = head_vocab(source, size)
+        result[f"head_{size}"] = summarize(records, match_vectors(draft, records, args.device, head_ids=ids), args.k)
+        result[f"head_{size}"]["train_coverage"] = round(coverage, 4)
+        if args.head_out:
+            with open(f"{args.head_out}.{size}.json", "w") as f:
+                json.dump({"token_ids": ids.tolist(), "coverage": coverage}, f)
+    text = json.dumps(result, indent=2)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            f.write(text)
+    print(text)
+    return 0
+
+
+def _cost(args) -> int:
+    import torch
+
+    from specdec.distill.evaluate import decode_step_ms
+    from specdec.models.registry import resolve_model
+
+    torch.set_num_threads(args.threads)
+    paths = {"draft": str(resolve_model(args.draft)), "target": str(resolve_model(args.target))}
+    result = decode_step_ms(paths, args.backend, args.context, args.repeats)
+    for stat in ("median_ms", "min_ms"):
+        result[f"ratio_{stat[:-3]}"] = round(result["draft"][stat] / result["target"][stat], 4)
+    print(json.dumps({"backend": args.backend, "threads": args.threads, "context": args.context, **result}))
+    return 0

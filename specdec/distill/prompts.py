@@ -1,0 +1,142 @@
+"""Prompts for self-distillation: Magpie-style user-turn prefixes, passage tasks, Spec-Bench loading.
+
+Magpie (Xu et al., 2024, "Magpie: Alignment Data Synthesis from Scratch by Prompting Aligned LLMs with
+Nothing") feeds an instruct model its chat template up to the start of a user turn; sampling from there
+yields user requests from the model's own distribution. We steer it with a seed corpus (a task starter,
+a topic, a language), so the requests cover the kinds of work a speculative decoder serves, and then reuse
+the target's answers as passages for long-context tasks (summarize, answer from a passage, extract).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+# Share of each starter family among generated user turns. "open" is plain Magpie (no steering).
+# The Spec-Bench families that dominate its prompt mix (translation, qa, math word problems) get more.
+STARTER_WEIGHTS = {
+    "open": 0.25, "writing": 0.07, "roleplay": 0.04, "reasoning": 0.04, "math": 0.04, "math_word": 0.10,
+    "coding": 0.06, "extraction": 0.03, "stem": 0.06, "humanities": 0.05, "translation": 0.10,
+    "summarization": 0.02, "qa": 0.10, "advice": 0.04,
+}
+PASSAGE_TASK_WEIGHTS = {"summarization": 0.35, "rag": 0.35, "extraction": 0.1, "translation": 0.1, "rewriting": 0.1}
+CUSTOM_SYSTEM_FRACTION = 0.1  # user turns written under a persona system prompt (roleplay-like variety)
+_SENTINEL = "\u0000SPLIT\u0000"
+
+
+@dataclass(frozen=True)
+class Seeds:
+    system_prompts: list[str]
+    topics: list[str]
+    languages: list[str]
+    names: list[str]
+    items: list[str]
+    starters: dict[str, list[str]]
+    passage_tasks: dict[str, list[str]]
+
+
+@dataclass(frozen=True)
+class UserPrefix:
+    text: str  # chat-template text up to and including the starter; the target continues it
+    starter: str  # the part of the user turn already written
+    system: str | None  # None: the template's default system prompt
+    category: str
+
+
+def load_seeds(path: str | Path | None = None) -> Seeds:
+    """The seed corpus: `path`, or the project's default specdec/data/prompts/seeds.json."""
+    if path is None:
+        text = resources.files("specdec").joinpath("data/prompts/seeds.json").read_text(encoding="utf-8")
+    else:
+        text = Path(path).read_text(encoding="utf-8")
+    raw = json.loads(text)
+    return Seeds(**{k: raw[k] for k in Seeds.__dataclass_fields__})
+
+
+def chat_messages(user: str, system: str | None = None) -> list[dict[str, str]]:
+    messages = [{"role": "system", "content": system}] if system else []
+    return messages + [{"role": "user", "content": user}]
+
+
+def user_turn_prefix(tokenizer, system: str | None) -> str:
+    """The chat template's text before a user turn's content (system prompt included)."""
+    text = tokenizer.apply_chat_template(chat_messages(_SENTINEL, system), tokenize=False)
+    return text.split(_SENTINEL)[0]
+
+
+def prompt_ids(tokenizer, user: str, system: str | None = None) -> list[int]:
+    """Token ids of a one-turn chat ending where the assistant's answer starts."""
+    text = tokenizer.apply_chat_template(chat_messages(user, system), tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _fill(template: str, seeds: Seeds, rng: random.Random) -> str:
+    n1, n2 = rng.randint(2, 30), rng.randint(2, 20)
+    name, name2 = rng.sample(seeds.names, 2)
+    return template.format(
+        topic=rng.choice(seeds.topics), lang=rng.choice(seeds.languages), name=name, name2=name2,
+        item=rng.choice(seeds.items), n1=n1, n2=n2, n3=rng.randint(20, 900),
+    )
+
+
+def magpie_prefixes(seeds: Seeds, tokenizer, n: int, rng: random.Random) -> list[UserPrefix]:
+    families = list(STARTER_WEIGHTS)
+    weights = [STARTER_WEIGHTS[f] for f in families]
+    prefixes = []
+    for _ in range(n):
+        family = rng.choices(families, weights)[0]
+        starter = _fill(rng.choice(seeds.starters[family]), seeds, rng)
+        system = rng.choice(seeds.system_prompts) if rng.random() < CUSTOM_SYSTEM_FRACTION else None
+        if starter and rng.random() < 0.5:
+            starter += " "  # half end in a space, so the target's next token is a word start, not a suffix
+        prefixes.append(UserPrefix(user_turn_prefix(tokenizer, system) + starter, starter, system, family))
+    return prefixes
+
+
+def passage_tasks(
+    seeds: Seeds, sources: list[tuple[str, str]], n: int, rng: random.Random
+) -> list[tuple[str, str]]:
+    """Long-context prompts built from (question, answer) pairs: the answers serve as passages.
+
+    Returns (user text, category) pairs. RAG prompts join 1-3 passages and ask one passage's question.
+    """
+    if not sources:
+        return []
+    families = list(PASSAGE_TASK_WEIGHTS)
+    weights = [PASSAGE_TASK_WEIGHTS[f] for f in families]
+    tasks = []
+    for _ in range(n):
+        family = rng.choices(families, weights)[0]
+        template = rng.choice(seeds.passage_tasks[family])
+        group = rng.sample(sources, min(len(sources), rng.randint(1, 3) if family == "rag" else 1))
+        question, _ = group[0]
+        rng.shuffle(group)
+        passage = " ".join(answer for _, answer in group)
+        sentences = group[0][1].split(". ")
+        sentence = ". ".join(sentences[: rng.randint(1, 2)]).strip()
+        text = template.format(
+            passage=passage, question=question, sentence=sentence, lang=rng.choice(seeds.languages)
+        )
+        tasks.append((text, family))
+    return tasks
+
+
+@dataclass(frozen=True)
+class EvalPrompt:
+    question_id: str
+    category: str
+    text: str
+
+
+def load_specbench(path: str | Path) -> list[EvalPrompt]:
+    """First turns of a Spec-Bench-format jsonl file (question_id, category, turns)."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                r = json.loads(line)
+                rows.append(EvalPrompt(str(r["question_id"]), r["category"], r["turns"][0]))
+    return rows
