@@ -47,6 +47,7 @@ class DraftServiceSettings:
     num_slots: int = 8
     max_context: int | None = None
     top_m: int = 64
+    head_vocab: int = 0  # reduced output head: the checkpoint's head_vocab.json prefix (0 = full head)
     ngram_max: int = 3
     ngram_min: int = 1
     num_draft_tokens: int = 4
@@ -84,6 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "for ngram pass the target's)")
     g.add_argument("--top-m", type=int, default=64,
                    help="entries of each draft distribution kept and sent (0 = all)")
+    g.add_argument("--head-vocab", type=int, default=int(env("SPECDEC_DRAFT_HEAD_VOCAB", "0")),
+                   help="score only the draft's N most frequent tokens (its head_vocab.json; 0 = the full "
+                        "vocabulary): a cheaper draft step, still lossless")
     g.add_argument("--ngram-max", type=int, default=3, help="longest n-gram to match (--proposer ngram)")
     g.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram to match (--proposer ngram)")
     g.add_argument("--num-draft-tokens", type=int, default=4, help="draft length when a request names none")
@@ -99,6 +103,7 @@ def settings_from_args(args: argparse.Namespace) -> DraftServiceSettings:
     return DraftServiceSettings(
         server=server_settings_from_args(args, service=SERVICE),
         proposer=args.proposer, model=args.model, tokenizer=args.tokenizer, top_m=args.top_m,
+        head_vocab=args.head_vocab,
         ngram_max=args.ngram_max, ngram_min=args.ngram_min, num_draft_tokens=args.num_draft_tokens,
         max_draft_tokens=args.max_draft_tokens, test_delay_ms=args.test_delay_ms,
         batching=service.batch_settings_from_args(args), **service.model_settings_from_args(args),
@@ -128,7 +133,8 @@ def build_engine(settings: DraftServiceSettings):
 
         log.info("loading draft model %s from %s", settings.model, model_dir)
         model = load_model(model_dir, backend=settings.backend, device=settings.device, dtype=settings.dtype,
-                           num_slots=settings.num_slots, max_context=settings.max_context, name=settings.model)
+                           num_slots=settings.num_slots, max_context=settings.max_context, name=settings.model,
+                           head_vocab=settings.head_vocab or None)
         proposer = DraftModelProposer(model, top_m=settings.top_m)
         info, top_m = model.info, settings.top_m
     engine = DraftEngine(proposer, idle_ttl_s=settings.session_ttl_s, max_draft_tokens=settings.max_draft_tokens)

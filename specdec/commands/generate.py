@@ -41,6 +41,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--num-draft-tokens", "-k", type=int, default=4,
                         help="draft length (the starting one with --draft-length adaptive)")
     parser.add_argument("--draft-length", choices=["adaptive", "fixed"], default="adaptive")
+    parser.add_argument("--draft-head-vocab", type=int, default=0,
+                        help="score only the draft's N most frequent tokens (0 = full vocabulary)")
     parser.add_argument("--backend", choices=["native", "hf", "auto"], default="native")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
@@ -70,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
     system = LocalSystem(LocalSettings(target=args.target, draft=draft, backend=args.backend,
                                        device=args.device, dtype=args.dtype,
                                        num_draft_tokens=args.num_draft_tokens,
-                                       adaptive=args.draft_length == "adaptive"))
+                                       adaptive=args.draft_length == "adaptive",
+                                       draft_head_vocab=args.draft_head_vocab))
     prompt_ids = system.encode(args.prompt, raw=args.raw)
     stream = None if args.json else (lambda text: print(text, end="", flush=True))
     result = asyncio.run(system.generate(prompt_ids, params, args.max_new_tokens, args.stop, stream))

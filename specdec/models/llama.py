@@ -58,6 +58,8 @@ class LlamaModel:
     path: a Hugging Face directory (config.json + safetensors). max_context: tokens per slot (default:
     the model's limit capped at 2048). The pool is num_slots slots, or as many as kv_budget_bytes holds.
     linear_kernel: "auto" | "dense" | "onednn" (see linear_kernels.py; "auto" is right outside benchmarks).
+    head_token_ids: a reduced output head (a draft's most frequent tokens): logits then cover only
+    these ids, in this order; inputs still take the whole vocabulary.
     """
 
     def __init__(
@@ -70,6 +72,7 @@ class LlamaModel:
         kv_budget_bytes: int | None = None,
         name: str | None = None,
         linear_kernel: str = "auto",
+        head_token_ids: torch.Tensor | None = None,
     ):
         if dtype not in DTYPES:
             raise InvalidArgument(f"dtype {dtype!r} is not supported; choose one of {sorted(DTYPES)}")
@@ -80,7 +83,8 @@ class LlamaModel:
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
         self.linear = choose_linear(self.device, self.dtype, linear_kernel)
-        self.weights = load_weights(path, cfg, self.dtype, self.device, self.linear)
+        self.head_token_ids = head_token_ids
+        self.weights = load_weights(path, cfg, self.dtype, self.device, self.linear, head_token_ids)
         self.cache = SlotKVCache(
             cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_context,
             num_slots=None if kv_budget_bytes else num_slots, budget_bytes=kv_budget_bytes,

@@ -74,7 +74,8 @@ class _Reader:
 
 
 def load_weights(
-    directory: Path, cfg: LlamaConfig, dtype: torch.dtype, device: torch.device, linear: DenseLinear | OneDnnLinear
+    directory: Path, cfg: LlamaConfig, dtype: torch.dtype, device: torch.device, linear: DenseLinear | OneDnnLinear,
+    head_token_ids: torch.Tensor | None = None,
 ) -> LlamaWeights:
     r = _Reader(directory, dtype, device)
     embed = r.get("model.embed_tokens.weight")  # [vocab, hidden]
@@ -84,6 +85,8 @@ def load_weights(
         lm_head = embed
     else:
         lm_head = r.get("lm_head.weight")
+    if head_token_ids is not None:  # a reduced output head: only these rows are ever scored
+        lm_head = lm_head.index_select(0, head_token_ids)
     return LlamaWeights(
         embed=r.place(embed), lm_head=linear.prepare(r.place(lm_head)),
         final_norm=r.place(r.get("model.norm.weight")), layers=[_load_layer(r, cfg, i, linear) for i in range(cfg.num_layers)],

@@ -35,11 +35,13 @@ def load_model(
     max_context: int | None = None,
     kv_budget_bytes: int | None = None,
     name: str | None = None,
+    head_vocab: int | None = None,
 ) -> CausalLM:
     """Load the model in directory `path` with `backend` ("native", "hf", or "auto": native if supported).
 
     max_context None means the model's limit capped at 2048 tokens per slot. kv_budget_bytes (native
-    only) sizes the slot pool from a memory budget instead of num_slots.
+    only) sizes the slot pool from a memory budget instead of num_slots. head_vocab (native only): keep
+    the first head_vocab ids of the checkpoint's head_vocab.json as a reduced output head (drafts).
     """
     path = Path(path)
     if backend not in BACKENDS:
@@ -53,10 +55,29 @@ def load_model(
 
         return LlamaModel(
             path, device=device, dtype=dtype, num_slots=num_slots, max_context=max_context,
-            kv_budget_bytes=kv_budget_bytes, name=name,
+            kv_budget_bytes=kv_budget_bytes, name=name, head_token_ids=reduced_head(path, head_vocab),
         )
     if kv_budget_bytes is not None:
         raise InvalidArgument("kv_budget_bytes is supported by the native backend only; give num_slots")
+    if head_vocab:
+        raise InvalidArgument("a reduced head (head_vocab) is supported by the native backend only")
     from specdec.models.hf_backend import HFModel
 
     return HFModel(path, device=device, dtype=dtype, num_slots=num_slots, max_context=max_context, name=name)
+
+
+def reduced_head(path: Path, head_vocab: int | None):
+    """The first head_vocab token ids of path/head_vocab.json (most frequent first), or None."""
+    if not head_vocab:
+        return None
+    import json
+
+    import torch
+
+    listing = path / "head_vocab.json"
+    if not listing.is_file():
+        raise InvalidArgument(f"{path} has no head_vocab.json: a reduced head needs its token list")
+    token_ids = json.loads(listing.read_text())["token_ids"]
+    if not 0 < head_vocab <= len(token_ids):
+        raise InvalidArgument(f"head_vocab must be in [1, {len(token_ids)}] for {path}, got {head_vocab}")
+    return torch.tensor(token_ids[:head_vocab], dtype=torch.long)

@@ -140,10 +140,20 @@ class DraftModelProposer:
                                         [1] * len(active))  # len(active) x [1, vocab]
             for d, row_logits in zip(active, logits):
                 position = len(d.token_ids) + len(d.drafted)
-                token, ids, probs = sample_draft_token(row_logits[-1], d.params, position, self.top_m)
+                token, ids, probs = sample_draft_token(self._full_vocab(row_logits[-1]), d.params, position,
+                                                       self.top_m)
                 d.drafted.append(token)
                 d.sparse.append((ids, probs))
                 d.feed = [token]
+
+    def _full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """A reduced head scores only its own ids; every other token gets probability 0. The draft
+        then samples from, and sends, exactly that distribution, so verification stays lossless."""
+        head = getattr(self.model, "head_token_ids", None)
+        if head is None:
+            return logits  # [vocab]
+        full = torch.full((self.model.info.vocab_size,), float("-inf"), dtype=logits.dtype)
+        return full.index_copy_(0, head, logits)  # [vocab]
 
     def _ensure_slot(self, state: _DraftSlot, busy: Collection[str] = ()) -> int:
         self._open.move_to_end(state.session_id)
