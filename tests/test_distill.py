@@ -225,3 +225,10 @@ def test_draft_spec_parsing():
     assert spec.name == "h256-l3-i768-kv2"
     with pytest.raises(ValueError):
         DraftSpec.parse("h250-l3-i768-kv2")
+
+
+def test_cli_default_draft_shape_matches_the_trainer():
+    from specdec.commands.distill import DEFAULT_DRAFT as cli_default
+    from specdec.distill.draft import DEFAULT_DRAFT
+
+    assert cli_default == DEFAULT_DRAFT

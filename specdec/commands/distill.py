@@ -25,9 +25,12 @@ def add_parser(subparsers) -> None:
     add_subcommands(parser)
 
 
-def add_subcommands(parser: argparse.ArgumentParser) -> None:
-    from specdec.distill.draft import DEFAULT_DRAFT
+# The default draft shape (specdec.distill.draft.DEFAULT_DRAFT), spelled out here so that building
+# the CLI parser doesn't import torch and transformers (`specdec --help` stays instant).
+DEFAULT_DRAFT = "h256-l3-i768-kv2"
 
+
+def add_subcommands(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="distill_command", metavar="STEP")
 
     g = sub.add_parser("generate-data", help="target-generated prompts and answers, one shard per chunk")
