@@ -1,0 +1,89 @@
+"""What a benchmark report must say about where and on what it ran: machine, commit, models."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+from specdec.processes import SOURCE_ROOT
+
+
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", *args], cwd=SOURCE_ROOT, capture_output=True, text=True,
+                              timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _memory_gib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    return None
+
+
+def machine() -> dict:
+    import torch
+    import transformers
+
+    out = {
+        "cpu": _cpu_model(), "cores": os.cpu_count(), "memory_gib": _memory_gib(),
+        "kernel": platform.release(), "python": platform.python_version(), "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    if torch.cuda.is_available():
+        out["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return out
+
+
+def commit() -> dict:
+    changed = [line[3:] for line in _git("status", "--porcelain", "--untracked-files=no").splitlines()]
+    return {"commit": _git("rev-parse", "HEAD"), "branch": _git("rev-parse", "--abbrev-ref", "HEAD"),
+            "modified_tracked_files": changed}
+
+
+def model_facts(directory: Path | None) -> dict | None:
+    """Parameters (from the safetensors headers, nothing loaded), bytes on disk, architecture."""
+    if directory is None:
+        return None
+    import json
+
+    from safetensors import safe_open
+
+    params = 0
+    files = sorted(Path(directory).glob("*.safetensors"))
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                numel = 1
+                for dim in f.get_slice(name).get_shape():
+                    numel *= dim
+                params += numel
+    config = json.loads((Path(directory) / "config.json").read_text())
+    from specdec.models.registry import sha256_file
+
+    return {"path": str(directory), "parameters": params, "safetensors_bytes": sum(p.stat().st_size for p in files),
+            "safetensors_sha256": {p.name: sha256_file(p) for p in files}, "dtype_on_disk": config.get("dtype",
+                                                                                             config.get("torch_dtype")),
+            "architecture": (config.get("architectures") or [config.get("model_type")])[0],
+            "layers": config.get("num_hidden_layers"), "hidden": config.get("hidden_size"),
+            "vocab": config.get("vocab_size")}

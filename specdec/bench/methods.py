@@ -1,0 +1,194 @@
+"""The methods a benchmark compares, and one RequestResult per request they serve.
+
+Every method generates greedily from the same prompt ids (the target's chat template) with the same
+budget. Timing starts when the request is sent and ends when its last token arrives, so a method
+pays whatever it really costs (RPC, Redis, host work) except model loading and service startup.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from specdec.bench.prompts import Prompt
+
+# name -> what it is. The order is the order of tables and plots.
+CATALOG: dict[str, str] = {
+    "plain": "target alone through the services: the coordinator's baseline pool (gRPC, Redis)",
+    "plain-inproc": "target alone, the same engine in the benchmark's process (no RPC)",
+    "hf-greedy": "Hugging Face generate, greedy, transformers eager fp32 (the peers' baseline)",
+    "hf-assisted": "Hugging Face generate(assistant_model=draft), the same pair in one process",
+    "hf-pld": "Hugging Face generate(prompt_lookup_num_tokens=k)",
+    "specdec-ngram": "this system distributed, n-gram proposer, sequential cycles",
+    "specdec-draft": "this system distributed, draft model, sequential cycles",
+    "specdec-ngram-pipelined": "this system distributed, n-gram proposer, pipelined cycles",
+    "specdec-draft-pipelined": "this system distributed, draft model, pipelined cycles",
+}
+NOT_BUILT = {"specdec-ngram-pipelined": "not built: pipelined cycles do not exist yet",
+             "specdec-draft-pipelined": "not built: pipelined cycles do not exist yet"}
+NEEDS_DRAFT = ("hf-assisted", "specdec-draft", "specdec-draft-pipelined")
+SERVICE_METHODS = ("plain", "specdec-ngram", "specdec-draft")
+SPECULATIVE = ("hf-assisted", "hf-pld", "specdec-ngram", "specdec-draft")
+REPLAY_PREFIX = "specdec-replay-"  # + alpha: the draft model's passes, the target's token with probability alpha
+
+
+def replay_method(alpha: float) -> str:
+    return f"{REPLAY_PREFIX}{alpha:g}"
+
+
+def is_service(name: str) -> bool:
+    return name in SERVICE_METHODS or name.startswith(REPLAY_PREFIX)
+
+
+def is_speculative(name: str) -> bool:
+    return name in SPECULATIVE or name.startswith(REPLAY_PREFIX)
+
+
+def proposer_of(name: str) -> str | None:
+    """The proposer a service method's coordinator drafts with (draft service name)."""
+    if name.startswith(REPLAY_PREFIX):
+        return "replay-" + name[len(REPLAY_PREFIX):]
+    return {"specdec-ngram": "ngram", "specdec-draft": "draft-model"}.get(name)
+# The reference each method's speedup and losslessness are measured against.
+REFERENCE = {"hf-assisted": "hf-greedy", "hf-pld": "hf-greedy"}
+DEFAULT_REFERENCE = "plain"
+
+
+@dataclass
+class RequestResult:
+    method: str
+    question_id: str
+    category: str
+    token_ids: list[int]
+    prompt_tokens: int
+    ttft_s: float  # request sent -> first generated token received
+    e2e_s: float  # request sent -> last token received
+    start_s: float = 0.0  # perf_counter at send (concurrency: wall-clock span of a round)
+    finish_reason: str | None = None
+    stats: dict = field(default_factory=dict)  # SpeculationStats fields as the coordinator reports them
+    phase: str = "batch1"  # "batch1" | "concurrency" | "netem"
+    concurrency: int = 1
+    delay_ms: float | None = None  # network delay of a netem phase
+    round: int = 0
+    order: int = 0  # place of this method in its prompt's rotation
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token of this request: (e2e - ttft) / (n - 1), not between chunks."""
+        n = self.num_tokens
+        return (self.e2e_s - self.ttft_s) / (n - 1) if n > 1 else None
+
+    def to_dict(self) -> dict:
+        out = {k: v for k, v in self.__dict__.items()}
+        out["num_tokens"] = self.num_tokens
+        out["tpot_s"] = self.tpot_s
+        return out
+
+
+class Method(Protocol):
+    name: str
+
+    async def run(self, prompt: Prompt, prompt_ids: list[int], max_new_tokens: int) -> RequestResult: ...
+
+
+class ServiceMethod:
+    """A request to a coordinator, streamed through the client library, as a backend sends it."""
+
+    def __init__(self, name: str, address: str, pool: str | None, num_draft_tokens: int, ignore_eos: bool = False):
+        from specdec.client import AsyncClient
+
+        self.name, self.address, self.pool, self.num_draft_tokens = name, address, pool, num_draft_tokens
+        self.ignore_eos = ignore_eos
+        self.client = AsyncClient(address, plaintext=True)
+
+    async def run(self, prompt: Prompt, prompt_ids: list[int], max_new_tokens: int) -> RequestResult:
+        tokens: list[int] = []
+        last = None
+        first_at = None
+        started = time.perf_counter()
+        async for chunk in self.client.stream(prompt.text, max_new_tokens=max_new_tokens, temperature=0.0,
+                                              pool=self.pool, num_draft_tokens=self.num_draft_tokens,
+                                              ignore_eos=self.ignore_eos):
+            if chunk.token_ids and first_at is None:
+                first_at = time.perf_counter()
+            tokens += chunk.token_ids
+            last = chunk
+        ended = time.perf_counter()
+        await self.client.end_session(last.session_id)  # untimed: frees the caches and the record
+        return RequestResult(
+            self.name, prompt.question_id, prompt.category, tokens,
+            int(last.usage.get("prompt_tokens", 0)), (first_at or ended) - started, ended - started,
+            started, last.finish_reason, dict(last.stats),
+        )
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+class InProcessPlain:
+    """Plain decoding on a TargetEngine in this process: the engine's cost without any RPC."""
+
+    name = "plain-inproc"
+
+    def __init__(self, engine, eos_token_ids):
+        self.engine, self.eos_token_ids = engine, eos_token_ids
+
+    async def run(self, prompt: Prompt, prompt_ids: list[int], max_new_tokens: int) -> RequestResult:
+        from specdec.engine.local import LocalTarget
+        from specdec.generation.loop import generate
+        from specdec.generation.stopping import StopChecker
+        from specdec.sampling.params import SamplingParams
+
+        first_at: list[float] = []
+
+        async def emit(new_tokens: list[int]) -> None:
+            if new_tokens and not first_at:
+                first_at.append(time.perf_counter())
+
+        session_id = uuid.uuid4().hex
+        stop = StopChecker(max_new_tokens, self.eos_token_ids)
+        started = time.perf_counter()
+        try:
+            result = await generate(LocalTarget(self.engine), None, session_id, prompt_ids, SamplingParams(),
+                                    stop, emit)
+        finally:
+            self.engine.end_session(session_id)
+        ended = time.perf_counter()
+        return RequestResult(self.name, prompt.question_id, prompt.category, list(result.token_ids),
+                             len(prompt_ids), (first_at[0] if first_at else ended) - started, ended - started,
+                             started, result.finish_reason.value, result.stats.to_dict())
+
+    async def close(self) -> None:
+        pass
+
+
+def choose_methods(requested: list[str] | None, have_draft: bool,
+                   replay_alphas: tuple[float, ...] = ()) -> tuple[list[str], dict[str, str]]:
+    """(methods to run, {method: why it is not run}). Unknown names raise ValueError. Replay methods
+    (one per alpha) come after the catalog's."""
+    names = list(requested) if requested else list(CATALOG)
+    replays = [replay_method(a) for a in replay_alphas]
+    names = [n for n in names if n != "specdec-replay"]
+    unknown = [n for n in names if n not in CATALOG]
+    if unknown:
+        raise ValueError(f"unknown methods {unknown}; known: {', '.join(CATALOG)}")
+    skipped: dict[str, str] = {}
+    run = []
+    for name in CATALOG:  # catalog order
+        if name not in names:
+            continue
+        if name in NOT_BUILT:
+            skipped[name] = NOT_BUILT[name]
+        elif name in NEEDS_DRAFT and not have_draft:
+            skipped[name] = "no draft model: the packaged default draft is not present and --draft names none"
+        else:
+            run.append(name)
+    if replays and not have_draft:
+        raise ValueError("replay methods need a draft model (--draft)")
+    return run + replays, skipped

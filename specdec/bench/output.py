@@ -1,0 +1,137 @@
+"""The report of one run: the JSON document (every number) and the short printed tables."""
+
+from __future__ import annotations
+
+import collections
+
+from specdec.bench.methods import RequestResult, is_service, is_speculative
+from specdec.bench.report import batch1_report, concurrency_report, goals, group_metrics, phase_table
+from specdec.bench.runner import Bench, Collected
+from specdec.bench.timing import StepTimes
+
+SCHEMA = "specdec-bench/1"
+
+
+def sections(results: list[RequestResult], times: list[StepTimes], methods: list[str], fixed_k: int | None,
+             notes: dict) -> dict:
+    """Every computed section of the report, from the raw requests and engine timings."""
+    batch1_rows = [r for r in results if r.phase == "batch1"]
+    batch1 = batch1_report(batch1_rows, methods, times, fixed_k)
+    concurrency = {}
+    if any(r.phase == "concurrency" for r in results):
+        concurrency = {"1": {m: group_metrics([r for r in batch1_rows if r.method == m])
+                             for m in methods if is_service(m)}}
+        plain = concurrency["1"].get("plain")
+        for name, m in concurrency["1"].items():
+            if plain and name != "plain":
+                m["throughput_vs_plain"] = m["tokens_per_s"] / plain["tokens_per_s"]
+        concurrency.update(concurrency_report([r for r in results if r.phase == "concurrency"], methods))
+    netem = {}
+    if notes.get("netem"):
+        netem = {"network": notes["netem"]["network"], "levels": {}}
+        for level, note in notes["netem"]["levels"].items():
+            rows = [r for r in results if r.phase == "netem" and r.delay_ms == float(level)]
+            netem["levels"][level] = {**phase_table(rows, methods, times, fixed_k), "_network": note}
+    floor = notes.get("floor")
+    return {"batch1": batch1, "concurrency": concurrency, "netem": netem,
+            "goals": goals(batch1, concurrency, floor),
+            "floor": {"target": floor, "draft": notes.get("floor_draft")} if floor else None}
+
+
+def recompute(report: dict) -> dict:
+    """The same report with its sections computed again from its raw requests and timings (after a
+    change to the analysis; nothing is measured again)."""
+    fields = set(RequestResult.__dataclass_fields__)
+    results = [RequestResult(**{k: v for k, v in r.items() if k in fields}) for r in report["requests"]]
+    times = [StepTimes(t["question_id"], t["category"], t["context"], t["t_step"],
+                       {int(k): v for k, v in t["t_verify"].items()}, t["t_draft"]) for t in report["step_times"]]
+    methods = [m for m, v in report["methods"].items() if v["status"] == "run"]
+    policy = report["meta"]["draft_length_policy"]
+    fixed_k = policy["num_draft_tokens"] if policy["policy"] == "fixed" else None
+    notes = {"netem": {"network": report["netem"]["network"],
+                       "levels": {lv: t["_network"] for lv, t in report["netem"]["levels"].items()}}
+             if report.get("netem") else None,
+             "floor": (report.get("floor") or {}).get("target"), "floor_draft": (report.get("floor") or {}).get("draft")}
+    return {**report, **sections(results, times, methods, fixed_k, notes)}
+
+
+def assemble(bench: Bench, collected: Collected) -> dict:
+    c = bench.config
+    notes = collected.notes
+    fixed_k = c.num_draft_tokens if c.k_policy == "fixed" else None
+    categories = collections.Counter(p.category for p in bench.prompts)
+    return {
+        "schema": SCHEMA,
+        "meta": {
+            "machine": notes["machine"], "code": notes["code"], "device": c.device, "dtype": c.dtype,
+            "backend": c.backend, "threads": c.threads,
+            "models": {**notes["models"], "target_name": c.target, "draft_name": c.draft},
+            "prompts": {"file": c.prompts_file or "specdec/data/bench_prompts.jsonl (default set)",
+                        "count": len(bench.prompts), "categories": dict(categories),
+                        "question_ids": [p.question_id for p in bench.prompts],
+                        "selection": {"categories": list(c.categories), "per_category": c.per_category,
+                                      "limit": c.limit}, "single_turn": "turns[0]"},
+            "sampling": {"temperature": 0.0, "greedy": True, "max_new_tokens": c.max_new_tokens, "batch": 1},
+            "draft_length_policy": {"policy": c.k_policy, "num_draft_tokens": c.num_draft_tokens,
+                                    "note": "fixed: every request names k; server: the coordinator's default "
+                                            "policy (request k = 0)"},
+            "runs": c.runs, "seed": c.seed,
+            "order": "batch 1: per prompt every method once, order rotated from prompt to prompt (base order "
+                     "shuffled with the seed); engine step times measured in the same rotation",
+            "concurrency": {"levels": list(c.concurrency), "prompts_per_level": c.concurrency_prompts,
+                            "rounds": c.concurrency_rounds},
+            "hf": notes.get("hf"), "warmup_s": notes.get("warmup_s"), "log_dir": notes.get("log_dir"),
+        },
+        "methods": bench.describe_methods(),
+        **sections(collected.results, collected.times, bench.methods, fixed_k, notes),
+        "step_times": [t.to_dict() for t in collected.times],
+        "requests": [r.to_dict() for r in collected.results],
+    }
+
+
+def _f(value, fmt: str = "{:.2f}", scale: float = 1.0) -> str:
+    return "-" if value is None else fmt.format(value * scale)
+
+
+def tables(report: dict) -> str:
+    lines = []
+    overall = report["batch1"]["overall"]
+    lines.append(f"{'method':<20} {'tok/s':>7} {'speedup':>7} {'TTFT':>7} {'TPOT p50/p99 ms':>16} {'alpha':>6} "
+                 f"{'len':>5} {'ideal':>6} {'eff':>5} {'eff mix':>7} {'lossless':>8}")
+    for name, m in overall.items():
+        if name.startswith("_"):
+            continue
+        tpot = f"{_f(m['tpot_p50_s'], '{:.1f}', 1e3)}/{_f(m['tpot_p99_s'], '{:.1f}', 1e3)}"
+        lines.append(f"{name:<20} {_f(m['tokens_per_s'], '{:.1f}'):>7} {_f(m.get('speedup')):>7} "
+                     f"{_f(m['ttft_p50_s'], '{:.0f}', 1e3):>5}ms {tpot:>16} {_f(m.get('alpha')):>6} "
+                     f"{_f(m.get('mean_accepted_length')):>5} {_f(m.get('ideal')):>6} {_f(m.get('efficiency')):>5} "
+                     f"{_f(m.get('efficiency_cycle_mix')):>7} "
+                     f"{_f(m.get('lossless_fraction'), '{:.0%}', 1):>8}")
+    speculative = [n for n in overall if is_speculative(n) and overall[n].get("speedup") is not None]
+    if speculative:
+        lines.append("")
+        lines.append(f"{'speedup by category':<22}" + "".join(f"{n:>20}" for n in speculative))
+        for category, table in report["batch1"]["by_category"].items():
+            lines.append(f"{category:<22}" + "".join(f"{_f(table.get(n, {}).get('speedup')):>20}" for n in speculative))
+    for name, m in overall.items():
+        if not name.startswith("_") and m.get("warning"):
+            lines.append(f"WARNING {name}: {m['warning']}")
+    if report.get("concurrency"):
+        lines.append("")
+        lines.append(f"{'sessions':<9} {'method':<20} {'tok/s':>7} {'vs plain':>8} {'TPOT p50/p99 ms':>16} {'TTFT p50':>9}")
+        for level, table in sorted(report["concurrency"].items(), key=lambda kv: int(kv[0])):
+            for name, m in table.items():
+                tpot = f"{_f(m['tpot_p50_s'], '{:.1f}', 1e3)}/{_f(m['tpot_p99_s'], '{:.1f}', 1e3)}"
+                lines.append(f"{level:<9} {name:<20} {_f(m['tokens_per_s'], '{:.1f}'):>7} "
+                             f"{_f(m.get('throughput_vs_plain')):>8} {tpot:>16} {_f(m['ttft_p50_s'], '{:.0f}', 1e3):>7}ms")
+    if report.get("netem"):
+        lines.append("")
+        lines.append(f"network delay ({report['netem']['network']['mode']}), batch 1:")
+        for level, table in report["netem"]["levels"].items():
+            added = table["_network"].get("added_round_trip_ms")
+            row = ", ".join(f"{n} {_f(m['tokens_per_s'], '{:.1f}')} tok/s"
+                            + (f" ({_f(m.get('speedup'))}x)" if m.get("speedup") else "")
+                            for n, m in table.items() if not n.startswith("_"))
+            lines.append(f"  {level} ms each way" + (f" (measured +{added:.2f} ms per round trip)" if added is not None
+                                                     else "") + f": {row}")
+    return "\n".join(lines)

@@ -1,0 +1,233 @@
+"""One benchmark run: every method on every prompt, interleaved, on one machine (phases.py).
+
+Setup order: the in-process engines and peers first (they also produce the replay references a
+model-scale run needs before its draft services start), then the services, then the phases.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specdec.bench import meta, phases
+from specdec.bench.methods import (CATALOG, REPLAY_PREFIX, InProcessPlain, RequestResult, ServiceMethod,
+                                   choose_methods, is_service, proposer_of)
+from specdec.bench.prompts import load_prompts, select_prompts
+from specdec.bench.services import Deployment, ServiceOptions
+from specdec.bench.timing import EngineTimer, StepTimes
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    target: str  # registry name, directory, or random:<preset> (gpu.py)
+    draft: str | None = None  # the same kinds; None: no draft model
+    prompts_file: str | None = None  # None: the project's own set
+    categories: tuple[str, ...] = ()
+    per_category: int | None = None
+    limit: int | None = None
+    max_new_tokens: int = 128
+    num_draft_tokens: int = 4
+    k_policy: str = "fixed"  # fixed: every request names k; server: the coordinator's own policy
+    methods: tuple[str, ...] = ()  # empty: every method
+    replay_alphas: tuple[float, ...] = ()  # one replay method per alpha (model-scale runs)
+    replay_seed: int = 0
+    ignore_eos: bool = False  # random-weight models: always generate max_new_tokens
+    runs: int = 1
+    concurrency: tuple[int, ...] = (1,)
+    concurrency_prompts: int = 16
+    concurrency_rounds: int = 1
+    netem_ms: tuple[float, ...] = ()
+    netem_mode: str = "auto"  # auto | netns | proxy
+    netem_prompts: int = 6
+    threads: int = 2
+    backend: str = "native"
+    dtype: str = "float32"
+    device: str = "cpu"
+    draft_device: str | None = None  # None: the target's device
+    floor: bool = False  # also measure the memory-bandwidth floor of a target step
+    pld_tokens: int | None = None  # None: num_draft_tokens
+    timing_repeats: int = 3
+    seed: int = 0
+    log_dir: Path | None = None
+    extra_env: dict = field(default_factory=dict)
+
+
+@dataclass
+class Collected:
+    results: list[RequestResult] = field(default_factory=list)
+    times: list[StepTimes] = field(default_factory=list)
+    notes: dict = field(default_factory=dict)
+
+
+def resolve(name: str, config: BenchConfig) -> Path:
+    if name.startswith("random:"):
+        from specdec.bench.gpu import random_model_dir
+
+        return random_model_dir(name, config.dtype, config.seed)
+    from specdec.models.registry import resolve_model
+
+    return resolve_model(name)
+
+
+class Bench:
+    def __init__(self, config: BenchConfig, progress=None):
+        from specdec.models.tokenizer import encode_prompt, eos_token_ids, load_tokenizer
+
+        self.config = c = config
+        self.prompts = select_prompts(load_prompts(c.prompts_file), c.categories, c.per_category, c.limit)
+        self.target_dir = resolve(c.target, c)
+        self.draft_dir = resolve(c.draft, c) if c.draft else None
+        self.methods, self.skipped = choose_methods(list(c.methods), self.draft_dir is not None, c.replay_alphas)
+        tokenizer = load_tokenizer(self.target_dir)
+        self.eos = set() if c.ignore_eos else eos_token_ids(tokenizer, self.target_dir)
+        self.prompt_ids = {p.question_id: encode_prompt(tokenizer, p.text) for p in self.prompts}
+        self.progress = progress
+        self.rng = random.Random(c.seed)
+        self.collected = Collected()
+        self.runners: dict[str, object] = {}
+        self.log_dir = Path(c.log_dir or tempfile.mkdtemp(prefix="specdec-bench-"))
+        self.references: Path | None = None
+
+    def tick(self, label: str) -> None:
+        if self.progress is not None:
+            self.progress.set_postfix_str(label[:40], refresh=False)
+            self.progress.update(1)
+
+    # ---- setup -----------------------------------------------------------------------------
+
+    def proposers(self) -> list[str]:
+        return [proposer_of(m) for m in self.methods if is_service(m) and proposer_of(m)]
+
+    def service_options(self) -> ServiceOptions:
+        c = self.config
+        return ServiceOptions(self.target_dir, self.draft_dir, c.backend, c.dtype, c.device, c.draft_device or c.device,
+                              c.threads, num_slots=max(8, max(c.concurrency) + 4),
+                              num_draft_tokens=c.num_draft_tokens, replay_references=self.references,
+                              replay_seed=c.replay_seed, extra_env=dict(c.extra_env))
+
+    def service_methods(self, coordinators: dict[str, str]) -> dict[str, ServiceMethod]:
+        c = self.config
+        k = c.num_draft_tokens if c.k_policy == "fixed" else 0
+        out = {}
+        for name in self.methods:
+            if name == "plain":
+                out[name] = ServiceMethod(name, coordinators["baseline"], "baseline", 0, c.ignore_eos)
+            elif is_service(name):
+                out[name] = ServiceMethod(name, coordinators[proposer_of(name)], None, k, c.ignore_eos)
+        return out
+
+    def in_process(self) -> EngineTimer:
+        import torch
+
+        from specdec.engine.draft import DraftEngine
+        from specdec.engine.target import TargetEngine
+        from specdec.models.loader import load_model
+        from specdec.proposers.draft_model import DraftModelProposer
+        from specdec.proposers.ngram import NgramProposer
+
+        c = self.config
+        torch.set_num_threads(c.threads)
+        load = lambda d, device: load_model(d, backend=c.backend, device=device, dtype=c.dtype, num_slots=2)  # noqa: E731
+        target = TargetEngine(load(self.target_dir, c.device))
+        drafts = {"ngram": DraftEngine(NgramProposer())}
+        if self.draft_dir is not None:
+            drafts["draft-model"] = DraftEngine(DraftModelProposer(load(self.draft_dir, c.draft_device or c.device),
+                                                                   top_m=0))
+        plain = InProcessPlain(target, self.eos)
+        if "plain-inproc" in self.methods:
+            self.runners["plain-inproc"] = plain
+        if any(m.startswith(REPLAY_PREFIX) for m in self.methods):
+            self.references = self.log_dir / "replay_references.json"
+            self.write_references(plain)
+        if any(m.startswith("hf-") for m in self.methods):
+            from specdec.bench.hf import HFPeers
+
+            pld = c.pld_tokens or c.num_draft_tokens
+            peers = HFPeers(self.target_dir, self.draft_dir if "hf-assisted" in self.methods else None, self.eos, pld)
+            self.collected.notes["hf"] = peers.settings()
+            self.runners.update({m: peers.method(m) for m in self.methods if m.startswith("hf-")})
+        max_verify = max(c.num_draft_tokens, 8 if c.k_policy == "server" else 0) + 1
+        return EngineTimer(target, drafts, max_verify, c.max_new_tokens // 2, c.timing_repeats)
+
+    def write_references(self, plain: InProcessPlain) -> None:
+        """The target's plain greedy outputs, which the replay proposers replay (proposers/replay.py)."""
+        import asyncio
+
+        references = []
+        for prompt in self.prompts:
+            ids = self.prompt_ids[prompt.question_id]
+            result = asyncio.run(plain.run(prompt, ids, self.config.max_new_tokens))
+            references.append(ids + result.token_ids)
+        self.references.write_text(json.dumps({"references": references}))
+
+    # ---- the whole run ----------------------------------------------------------------------
+
+    def total_steps(self) -> int:
+        c = self.config
+        service = [m for m in self.methods if is_service(m)]
+        batch = c.runs * len(self.prompts) * (len(self.methods) + 1)
+        conc = sum(c.concurrency_rounds * c.concurrency_prompts * len(service) for lv in c.concurrency if lv > 1)
+        net = (len(c.netem_ms) + 1) * min(c.netem_prompts, len(self.prompts)) * len(service) if c.netem_ms else 0
+        return batch + conc + net
+
+    def run(self) -> Collected:
+        """Synchronous setup (models, references), then the asynchronous phases."""
+        import asyncio
+
+        c = self.config
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        notes = self.collected.notes
+        notes.update(machine=meta.machine(), code=meta.commit(), log_dir=str(self.log_dir),
+                     models={"target": meta.model_facts(self.target_dir), "draft": meta.model_facts(self.draft_dir)})
+        timer = self.in_process()
+        asyncio.run(self._phases(timer))
+        if c.floor:
+            from specdec.bench.gpu import bandwidth_floor
+            from specdec.bench.timing import summarize
+
+            notes["floor"] = bandwidth_floor(self.target_dir, c.device, summarize(self.collected.times).get("t_step"))
+            if self.draft_dir is not None:
+                notes["floor_draft"] = bandwidth_floor(self.draft_dir, c.draft_device or c.device)
+        notes["machine"]["load_average_end"] = list(os.getloadavg())
+        return self.collected
+
+    async def _phases(self, timer: EngineTimer) -> None:
+        async with contextlib.AsyncExitStack() as stack:
+            deployment = None
+            if any(is_service(m) for m in self.methods):
+                network = _loopback(self.log_dir)
+                deployment = stack.enter_context(Deployment(self.service_options(), network).start(self.proposers()))
+                service_runners = self.service_methods(deployment.coordinators)
+                stack.push_async_callback(phases.close_all, service_runners)
+                self.runners.update(service_runners)
+            started = time.perf_counter()
+            await phases.warm_up(self, self.runners)
+            self.collected.notes["warmup_s"] = time.perf_counter() - started
+            await phases.batch1(self, timer)
+            if deployment is not None:
+                await phases.concurrency(self, {k: v for k, v in self.runners.items() if is_service(k)})
+                if self.config.netem_ms:
+                    await phases.netem(self, stack, deployment)
+
+    def describe_methods(self) -> dict:
+        out = {}
+        catalog = {**CATALOG, **{m: "this system distributed, replay proposer: the draft model's forward passes, "
+                                    "the target's greedy token with probability alpha" for m in self.methods
+                                 if m.startswith(REPLAY_PREFIX)}}
+        for name, text in catalog.items():
+            status = "run" if name in self.methods else ("skipped" if name in self.skipped else "not requested")
+            out[name] = {"description": text, "status": status, **({"why": self.skipped[name]}
+                                                                     if name in self.skipped else {})}
+        return out
+
+
+def _loopback(log_dir: Path):
+    from specdec.bench.netdelay import LoopbackNetwork
+
+    return LoopbackNetwork(log_dir)

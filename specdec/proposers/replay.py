@@ -1,0 +1,89 @@
+"""Replay proposer: a draft model's real forward passes with a chosen acceptance rate.
+
+For model-scale benchmarks where no trained draft of that size exists (../shared/docs/MODELS.md):
+the draft model runs exactly the forward passes a real draft would (real cost), but the token it
+proposes at absolute position p is the target's own greedy token there with probability alpha, else
+another token. The target's greedy tokens come from references: full sequences (prompt + the
+target's plain greedy output) recorded beforehand. Under greedy verification every position is then
+accepted independently with probability alpha, so a cycle of k tokens commits
+(1 - alpha^(k+1)) / (1 - alpha) tokens on average, which is what the ideal speedup assumes.
+
+The draws are keyed on (seed, reference, position), never on call order: re-drafting a position
+gives the same decision, and runs repeat exactly. Proposals are point masses, so verification stays
+lossless under any sampling mode; with no matching reference (another prompt, a sampled output that
+left the greedy path) every proposed token is the draft model's own greedy choice.
+alpha is an input of the benchmark, never a result.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from specdec.errors import InvalidArgument
+from specdec.models.base import CausalLM
+from specdec.proposers.draft_model import DraftModelProposer, _DraftSlot
+from specdec.sampling.params import SamplingParams
+from specdec.types import DraftBlock
+
+
+class ReplayProposer(DraftModelProposer):
+    name = "replay"
+
+    def __init__(self, model: CausalLM, references: Sequence[Sequence[int]], alpha: float, seed: int = 0):
+        if not 0.0 <= alpha <= 1.0:
+            raise InvalidArgument(f"replay alpha must be in [0, 1], got {alpha}")
+        super().__init__(model, top_m=0)
+        self.references = [list(map(int, r)) for r in references]
+        self.alpha, self.seed = alpha, seed
+        self._reference_of: dict[str, int | None] = {}  # session id -> index into references
+
+    def close(self, state: _DraftSlot) -> None:
+        self._reference_of.pop(state.session_id, None)
+        super().close(state)
+
+    def propose(
+        self, state: _DraftSlot, token_ids: Sequence[int], num_tokens: int, params: SamplingParams
+    ) -> DraftBlock:
+        num_tokens = min(num_tokens, self.model.info.max_context - len(token_ids) + 1)
+        if num_tokens <= 0 or not token_ids:
+            return DraftBlock.empty()
+        reference = self._reference(state.session_id, token_ids)
+        slot = self._ensure_slot(state)
+        cached = self.model.length(slot)
+        if cached >= len(token_ids):  # logits after the last token need that token fed again
+            cached = len(token_ids) - 1
+            self.model.truncate(slot, cached)
+        feed = list(token_ids[cached:])
+        drafted: list[int] = []
+        for i in range(num_tokens):
+            logits = self.model.forward([slot], [feed], [1])[0][-1]  # [vocab]: the real cost
+            token = self._choose(reference, len(token_ids) + i, int(torch.argmax(logits)))
+            drafted.append(token)
+            feed = [token]
+        return DraftBlock(token_ids=torch.tensor(drafted, dtype=torch.long))
+
+    def _reference(self, session_id: str, token_ids: Sequence[int]) -> int | None:
+        """The reference this session follows: the one whose prefix is the committed sequence."""
+        index = self._reference_of.get(session_id)
+        if index is not None and self._extends(self.references[index], token_ids):
+            return index
+        index = next((i for i, ref in enumerate(self.references) if self._extends(ref, token_ids)), None)
+        self._reference_of[session_id] = index
+        return index
+
+    @staticmethod
+    def _extends(reference: list[int], token_ids: Sequence[int]) -> bool:
+        return len(reference) > len(token_ids) and reference[: len(token_ids)] == list(token_ids)
+
+    def _choose(self, reference: int | None, position: int, own_token: int) -> int:
+        if reference is None or position >= len(self.references[reference]):
+            return own_token
+        true_token = self.references[reference][position]
+        accept_draw, other_draw = np.random.default_rng([self.seed, reference, position]).random(2)
+        if accept_draw < self.alpha:
+            return true_token
+        vocab = self.model.info.vocab_size
+        return (true_token + 1 + int(other_draw * (vocab - 1))) % vocab  # any token but the true one

@@ -1,0 +1,185 @@
+"""`specdec bench` end to end on tiny models (a smoke test: it runs and reports, no speed claims),
+the replay proposer's losslessness, and the benchmark's pure pieces."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from service_procs import REPO, tiny_model_dir
+from specdec.bench.prompts import Prompt, load_prompts, select_prompts
+from specdec.bench.report import expected_tokens, ideal_speedup, lossless
+from specdec.bench.methods import RequestResult
+from specdec.commands.bench import _delays
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    base = tmp_path_factory.getbasetemp()
+    return tiny_model_dir(base, "target", seed=0), tiny_model_dir(base, "draft-random", seed=1)
+
+
+def test_bench_runs_end_to_end_and_writes_the_report_and_the_plot(models, tmp_path):
+    target, draft = models
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [t, "second turn"]}) + "\n"
+                               for i, c, t in ((1, "qa", "Why is the sea salty?"),
+                                               (2, "writing", "Write two lines about the sea, the sea."))))
+    out = tmp_path / "bench.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "specdec.cli", "bench", "--target", str(target), "--draft", str(draft),
+         "--prompts", str(prompts), "--max-new-tokens", "12", "--threads", "1", "--concurrency", "1,2",
+         "--concurrency-prompts", "2", "--timing-repeats", "1", "--no-progress", "--out", str(out),
+         "--log-dir", str(tmp_path / "logs")],
+        cwd=REPO, capture_output=True, text=True, timeout=400, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(out.read_text())
+    meta = report["meta"]
+    for key in ("machine", "code", "models", "dtype", "threads", "prompts", "sampling", "draft_length_policy", "runs"):
+        assert key in meta, key
+    assert meta["prompts"]["count"] == 2 and meta["code"]["commit"]
+    assert meta["models"]["target"]["parameters"] > 0
+    assert report["methods"]["specdec-draft-pipelined"]["status"] == "skipped"
+    assert "not built" in report["methods"]["specdec-ngram-pipelined"]["why"]
+    overall = report["batch1"]["overall"]
+    assert set(overall) >= {"plain", "plain-inproc", "hf-greedy", "hf-assisted", "hf-pld", "specdec-ngram",
+                            "specdec-draft"}
+    for name in ("specdec-ngram", "specdec-draft", "hf-assisted", "hf-pld"):
+        m = overall[name]
+        for key in ("tokens_per_s", "ttft_p50_s", "tpot_p50_s", "tpot_p99_s", "e2e_p50_s", "speedup",
+                    "acceptance_rate", "mean_accepted_length", "acceptance_by_position"):
+            assert m[key] is not None, (name, key)
+        assert m["lossless_fraction"] == 1.0, name  # greedy, fp32: token for token
+    for name in ("specdec-ngram", "specdec-draft"):
+        assert {"ideal", "efficiency", "cost_ratio_c"} <= set(overall[name])
+    assert set(report["batch1"]["by_category"]) == {"qa", "writing"}
+    assert {"t_step", "t_verify", "t_draft"} <= set(overall["_step_times"])
+    assert report["concurrency"]["2"]["plain"]["requests"] == 2
+    assert report["requests"] and all(r["num_tokens"] >= 1 for r in report["requests"])
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "speedup" in result.stdout
+
+
+def test_replay_proposer_is_lossless_and_accepts_what_alpha_says(models):
+    from specdec.engine.draft import DraftEngine
+    from specdec.engine.local import LocalDraft, LocalTarget
+    from specdec.engine.target import TargetEngine
+    from specdec.generation.loop import LoopSettings, generate
+    from specdec.generation.stopping import StopChecker
+    from specdec.models.loader import load_model
+    from specdec.proposers.replay import ReplayProposer
+    from specdec.sampling.params import SamplingParams
+
+    target_dir, draft_dir = models
+    target = TargetEngine(load_model(target_dir, num_slots=2))
+    prompts = [[5, 6, 7, 8, 9], [40, 41, 42]]
+
+    def run(proposer, prompt, n=40):
+        draft = LocalDraft(DraftEngine(proposer)) if proposer else None
+        settings = LoopSettings(num_draft_tokens=4)
+
+        async def ignore(tokens):
+            pass
+
+        result = asyncio.run(generate(LocalTarget(target), draft, f"s{id(proposer)}-{prompt[0]}", prompt,
+                                      SamplingParams(), StopChecker(n), ignore, settings))
+        target.end_session(f"s{id(proposer)}-{prompt[0]}")
+        return result
+
+    plain = [run(None, p).token_ids for p in prompts]
+    references = [p + out for p, out in zip(prompts[:1], plain[:1])]  # the second prompt has none
+    for alpha in (0.0, 0.6, 1.0):
+        proposer = ReplayProposer(load_model(draft_dir, num_slots=2), references, alpha, seed=3)
+        for prompt, expected in zip(prompts, plain):
+            result = run(proposer, prompt)
+            assert result.token_ids == expected, alpha
+            if prompt is prompts[0]:
+                stats = result.stats
+                if alpha == 1.0:
+                    assert stats.accepted == stats.drafted > 0
+                elif alpha == 0.0:
+                    assert stats.accepted == 0 and stats.drafted > 0
+                else:
+                    assert 0 < stats.accepted < stats.drafted
+
+
+def test_prompt_selection_is_round_robin_over_categories():
+    prompts = [Prompt(str(i), c, f"t{i}") for i, c in enumerate("aaabbc")]
+    assert [p.question_id for p in select_prompts(prompts, per_category=2)] == ["0", "3", "5", "1", "4"]
+    assert [p.question_id for p in select_prompts(prompts, limit=4)] == ["0", "3", "5", "1"]
+    assert [p.category for p in select_prompts(prompts, categories=["b"])] == ["b", "b"]
+    with pytest.raises(Exception, match="unknown categories"):
+        select_prompts(prompts, categories=["z"])
+    default = load_prompts()
+    assert len({p.category for p in default}) == 13 and len(default) >= 26
+
+
+def test_delay_flags_parse_to_milliseconds():
+    assert _delays("0.2ms,1ms") == (0.2, 1.0)
+    assert _delays("200us, 3") == (0.2, 3.0)
+
+
+def test_ideal_speedup_follows_the_formula():
+    times = {"t_step": 0.04, "t_verify": {"1": 0.04, "2": 0.05, "3": 0.055, "4": 0.06, "5": 0.07},
+             "t_draft": {"draft-model": 0.002}}
+    # Every cycle drafted 4 tokens: the cycle mix equals the closed form with E from the counts.
+    m = {"acceptance_rate": 0.5, "mean_drafted_per_cycle": 4.0, "drafted_by_position": [10, 10, 10, 10],
+         "cycles": 10, "accepted": 20, "decode_steps": 0}
+    out = ideal_speedup(m, times, "draft-model", 4)
+    assert out["ideal"] == pytest.approx(expected_tokens(0.5, 4) * 0.04 / (4 * 0.002 + 0.07))
+    assert out["ideal_cycle_mix"] == pytest.approx(30 * 0.04 / (10 * (4 * 0.002 + 0.07)))
+    assert expected_tokens(1.0, 4) == 5.0
+
+
+def test_lossless_fraction_compares_token_for_token():
+    def r(method, qid, tokens):
+        return RequestResult(method, qid, "c", tokens, 3, 0.1, 1.0)
+
+    ref = [r("plain", "1", [1, 2, 3]), r("plain", "2", [4, 5])]
+    out = lossless([r("x", "1", [1, 2, 3]), r("x", "2", [4, 6])], ref)
+    assert out["lossless_fraction"] == 0.5 and out["differing_prompts"] == ["2"]
+
+
+def test_delay_proxy_relays_bytes_and_holds_them(tmp_path):
+    echo = socket.socket()
+    echo.bind(("127.0.0.1", 0))
+    echo.listen(1)
+
+    def serve():
+        conn, _ = echo.accept()
+        while data := conn.recv(4096):
+            conn.sendall(data)
+
+    threading.Thread(target=serve, daemon=True).start()
+    control, ready = tmp_path / "delay", tmp_path / "ready.json"
+    control.write_text("5")
+    proc = subprocess.Popen([sys.executable, "-m", "specdec.bench.delay_proxy", "--control", str(control),
+                             "--ready-file", str(ready), "--route", f"127.0.0.1:0=127.0.0.1:{echo.getsockname()[1]}"],
+                            cwd=REPO)
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.is_file() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        host, port = json.loads(ready.read_text())["listen"][0].rsplit(":", 1)
+        with socket.create_connection((host, int(port))) as sock:
+            started = time.perf_counter()
+            sock.sendall(b"hello")
+            got = b""
+            while len(got) < 5:
+                got += sock.recv(16)
+            elapsed = time.perf_counter() - started
+        assert got == b"hello"
+        assert elapsed >= 0.010  # 5 ms each way, at least
+    finally:
+        proc.kill()
+        proc.wait()
