@@ -108,7 +108,7 @@ class DraftServicer(EngineServicer, draft_pb2_grpc.DraftServiceServicer):
         self.proposer = engine.proposer.name
         self.batcher = Batcher(executor, lambda works: _propose_batch(engine, works),
                                max_batch_size=batching.max_batch_size, batch_wait_s=batching.batch_wait_s,
-                               on_step=self._observe_batch)
+                               gather=batching.gather, on_step=self._observe_batch)
         self._session_num_draft_tokens: dict[str, int] = {}  # ProposerOptions.num_draft_tokens, if set
         self.update_gauges()
 
@@ -180,6 +180,7 @@ class DraftServicer(EngineServicer, draft_pb2_grpc.DraftServiceServicer):
     def forget_sessions(self, session_ids: Iterable[str]) -> None:
         for session_id in session_ids:
             self._session_num_draft_tokens.pop(session_id, None)
+            self.batcher.forget(session_id)
 
     def update_gauges(self) -> None:
         self.metrics.sessions.set(len(self.engine.sessions))

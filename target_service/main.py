@@ -43,6 +43,7 @@ class TargetServiceSettings:
     ready_file: Path | None = None
     test_fault: str | None = None  # TEST ONLY: TargetEngine(fault_injection=...), docs/CANARY.md
     batching: service.BatchSettings = service.BatchSettings()
+    trim_drafts: bool = True  # --draft-trimming goodput
 
     def __post_init__(self) -> None:
         service.check_model_settings(self.num_slots, self.max_context, self.session_ttl_s)
@@ -61,6 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "check has a bug to catch (docs/CANARY.md); never in production")
     service.add_model_arguments(g, num_slots_help="sessions whose KV caches fit at once")
     service.add_batching_arguments(g, what="Verify and Decode steps")
+    g.add_argument("--draft-trimming", choices=["goodput", "off"], default="goodput",
+                   help="goodput: verify only the drafted tokens that raise the batch's expected tokens per "
+                        "second (measured step cost and per-session acceptance), so that under load "
+                        "speculation never falls below plain decoding; off: verify every drafted token")
     add_server_arguments(parser, port=DEFAULT_PORT, metrics_port=DEFAULT_METRICS_PORT)
 
 
@@ -68,7 +73,8 @@ def settings_from_args(args: argparse.Namespace) -> TargetServiceSettings:
     return TargetServiceSettings(
         server=server_settings_from_args(args, service=SERVICE), model=args.model,
         max_draft_tokens=args.max_draft_tokens, test_fault=args.test_fault,
-        batching=service.batch_settings_from_args(args), **service.model_settings_from_args(args),
+        batching=service.batch_settings_from_args(args), trim_drafts=args.draft_trimming == "goodput",
+        **service.model_settings_from_args(args),
     )
 
 
@@ -80,7 +86,7 @@ async def serve_target(settings: TargetServiceSettings, engine, tokenizer, trace
 
     def build_servicer(executor, registry) -> TargetServicer:
         return TargetServicer(engine, executor, TargetMetrics(registry), tokenizer, settings.max_draft_tokens,
-                              settings.batching)
+                              settings.batching, settings.trim_drafts)
 
     await service.serve_model_service(
         settings.server, build_servicer, target_pb2_grpc.add_TargetServiceServicer_to_server, TARGET_SERVICE_NAME,

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from specdec.engine.batch import DecodeWork, VerifyWork, run_target_batch
+from specdec.engine.goodput import DraftTrimmer, run_trimmed_batch
 from specdec.engine.batcher import Batcher, decode_steps
 from specdec.engine.target import TargetEngine
 from specdec.errors import InvalidArgument
@@ -54,16 +55,24 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
         tokenizer: TokenizerFacts = TokenizerFacts(),
         max_draft_tokens: int = 64,
         batching: BatchSettings = BatchSettings(),
+        trim_drafts: bool = False,
     ):
         self.engine = engine
         self.executor = executor
         self.metrics = metrics
         self.tokenizer = tokenizer
         self.max_draft_tokens = max_draft_tokens
-        self.batcher = Batcher(executor, functools.partial(run_target_batch, engine),
+        # With trim_drafts, each step verifies only the drafted tokens that raise the batch's
+        # expected tokens per second (specdec.engine.goodput), so load never makes speculation
+        # slower than plain decoding; without, every drafted token is verified.
+        self.trimmer = DraftTrimmer() if trim_drafts else None
+        step = functools.partial(run_trimmed_batch, engine, self.trimmer) if trim_drafts \
+            else functools.partial(run_target_batch, engine)
+        self.batcher = Batcher(executor, step,
                                max_batch_size=batching.max_batch_size, batch_wait_s=batching.batch_wait_s,
-                               on_step=self._observe_batch)
+                               gather=batching.gather, on_step=self._observe_batch)
         self._evictions_seen = engine.evictions
+        self._trimmed_seen = 0
         self.update_gauges()
 
     # ---- RPCs ------------------------------------------------------------------------------
@@ -133,6 +142,10 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
             self.metrics.evictions.inc(evictions - self._evictions_seen)
             self._evictions_seen = evictions
 
+    def forget_sessions(self, session_ids: Iterable[str]) -> None:
+        for session_id in session_ids:
+            self.batcher.forget(session_id)
+
     async def aclose(self) -> None:
         await self.batcher.aclose()
 
@@ -160,4 +173,7 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
         self.metrics.batch_size.labels(step).observe(len(works))
         self.metrics.tokens.labels(step).inc(verify_tokens + decode_tokens)
         self.metrics.batch_rows.set(len(works))
+        if self.trimmer is not None and self.trimmer.trimmed_tokens > self._trimmed_seen:
+            self.metrics.trimmed_draft_tokens.inc(self.trimmer.trimmed_tokens - self._trimmed_seen)
+            self._trimmed_seen = self.trimmer.trimmed_tokens
         self.update_gauges()

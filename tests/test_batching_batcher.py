@@ -225,3 +225,43 @@ async def test_shutdown_fails_queued_work():
             await task
     with pytest.raises(ServiceUnavailable):
         await batcher.submit("c")
+
+
+class TimedThread:
+    """A model thread whose steps take step_s (on the event loop: timing without a model)."""
+
+    def __init__(self, step_s: float):
+        self.step_s = step_s
+        self.steps: list[list] = []
+
+    async def run(self, fn, *args):
+        self.steps.append(sorted(w.session_id for w in args[0]))
+        await asyncio.sleep(self.step_s)
+        return fn(*args)
+
+
+class Work:
+    def __init__(self, session_id: str):
+        self.session_id = session_id
+
+
+@pytest.mark.parametrize("gather", [0.0, 0.5])
+async def test_sessions_just_served_are_gathered_into_one_step(gather):
+    """Two sessions, the second arriving during the first's step, each sending its next work 10 ms
+    after its result (a round trip). Without gathering they alternate in steps of one; with it the
+    second step waits the 10 ms for the first session and from then on both share every step."""
+    thread = TimedThread(0.1)
+    batcher = Batcher(thread, lambda works: list(works), gather=gather)
+
+    async def client(session_id: str, delay_s: float):
+        await asyncio.sleep(delay_s)
+        for _ in range(4):
+            await batcher.submit(Work(session_id))
+            await asyncio.sleep(0.01)
+
+    await asyncio.gather(client("a", 0.0), client("b", 0.03))
+    await batcher.aclose()
+    if gather:
+        assert thread.steps[:2] == [["a"], ["a", "b"]] and len(thread.steps) == 5
+    else:
+        assert thread.steps[:3] == [["a"], ["b"], ["a"]] and len(thread.steps) == 8

@@ -4,8 +4,10 @@ A request enqueues its work item and awaits a future. One worker task takes ever
 max_batch_size items), runs the batched step (specdec.engine.batch / draft_batch) on the model
 thread, resolves the futures and repeats, so a request that arrives while a step runs joins the
 next one. Nothing waits for a batch to fill: a lone request starts at once as a batch of one, so
-latency at low load stays that of an unbatched call; batch_wait_s > 0 optionally holds a non-full
-batch that long to gather more (a trade of latency for throughput, off by default).
+latency at low load stays that of an unbatched call. What is held back, briefly, is a step that
+would leave out sessions just served and about to return (_gather: without it, concurrent sessions
+split into alternating half-size batches); batch_wait_s > 0 optionally holds a non-full batch that
+long to gather more (a trade of latency for throughput, off by default).
 """
 
 from __future__ import annotations
@@ -42,16 +44,24 @@ class Batcher(Generic[W, R]):
         *,
         max_batch_size: int = 16,
         batch_wait_s: float = 0.0,
+        gather: float = 0.25,
         on_step: StepObserver | None = None,
+        key: Callable[[W], object] = lambda work: getattr(work, "session_id", None),
     ):
-        if max_batch_size < 1 or not batch_wait_s >= 0:
-            raise ValueError(f"need max_batch_size >= 1 and batch_wait_s >= 0, got {max_batch_size}, {batch_wait_s}")
+        if max_batch_size < 1 or not batch_wait_s >= 0 or not gather >= 0:
+            raise ValueError(f"need max_batch_size >= 1, batch_wait_s >= 0 and gather >= 0, got "
+                             f"{max_batch_size}, {batch_wait_s}, {gather}")
         self.executor = executor
         self.step = step
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_s
+        self.gather = gather  # see _gather
         self.on_step = on_step
+        self.key = key  # the session a work item belongs to
         self._queue: deque[tuple[W, asyncio.Future]] = deque()
+        self._recent: set = set()  # sessions of the last step, still open
+        self._last_end: float | None = None  # perf_counter() when the last step ended
+        self._last_seconds = 0.0
         self._wakeup: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
         self._closed = False
@@ -70,6 +80,10 @@ class Batcher(Generic[W, R]):
         self._start_worker()
         self._wakeup.set()
         return await future
+
+    def forget(self, key: object) -> None:
+        """The session ended: no step waits for its next work."""
+        self._recent.discard(key)
 
     async def aclose(self) -> None:
         """Stop the worker; queued work fails with ServiceUnavailable (a running step finishes on
@@ -97,11 +111,43 @@ class Batcher(Generic[W, R]):
             while not self._queue:
                 self._wakeup.clear()
                 await self._wakeup.wait()
-            if self.batch_wait_s > 0 and len(self._queue) < self.max_batch_size:
-                await asyncio.sleep(self.batch_wait_s)
+            await self._gather()
+            if self.batch_wait_s > 0:
+                await self._wait_until(lambda: len(self._queue) >= self.max_batch_size,
+                                       time.perf_counter() + self.batch_wait_s)
             batch = self._take()
             if batch:
                 await self._run(batch)
+
+    async def _gather(self) -> None:
+        """Hold a non-full batch until the sessions of the last step are queued again, for at most
+        `gather` times the last step's duration.
+
+        Each of them sends its next work one round trip after its result. Started without them, a
+        step keeps them out, they form the next step, and the sessions settle into alternating
+        half-size steps: twice the forwards for the same tokens. Nothing is held for a lone
+        session (its own return is what the worker waits for anyway), for an ended one, nor once
+        the time is up."""
+        if not self.gather or self._last_end is None:
+            return
+        expected = self._recent
+
+        def ready() -> bool:
+            queued = {self.key(work) for work, _ in self._queue}
+            return len(self._queue) >= self.max_batch_size or expected <= queued
+
+        await self._wait_until(ready, self._last_end + self.gather * self._last_seconds)
+
+    async def _wait_until(self, ready: Callable[[], bool], deadline: float) -> None:
+        while not ready():
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0:
+                return
+            self._wakeup.clear()  # no await since ready(): no submit can slip in between
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), remaining)
+            except asyncio.TimeoutError:
+                return
 
     def _take(self) -> list[tuple[W, asyncio.Future]]:
         """Up to max_batch_size queued items, oldest first; callers that gave up are skipped."""
@@ -127,7 +173,9 @@ class Batcher(Generic[W, R]):
         except Exception as exc:  # noqa: BLE001 - the step itself failed: every item of it did
             log.exception("batched step of %d items failed", len(works))
             results = [exc] * len(works)
-        elapsed = time.perf_counter() - started
+        self._last_end = time.perf_counter()
+        elapsed = self._last_seconds = self._last_end - started
+        self._recent = {self.key(work) for work in works}
         for (_, future), result in zip(batch, results):
             if future.done():  # the caller gave up while the step ran
                 continue

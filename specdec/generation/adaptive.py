@@ -5,7 +5,8 @@ commits E(k) = (1 - a^(k+1)) / (1 - a) tokens on average and costs k * t_draft +
 Plain decoding commits 1 token per t_plain. We pick the k (0 = plain decoding) with the highest
 E(k) / cost(k), from a, t_draft, t_verify and t_plain measured on this session; so a draft that
 stops paying (low acceptance, a loaded target whose verify grows with k) is shrunk or switched off,
-and re-probed every `probe_every` plain cycles in case the text became predictable again.
+and re-probed every `probe_every` plain cycles in case the text became predictable again. A target
+that trims drafts under load (it sees the whole batch) caps k at what it verified.
 
 Pure bookkeeping: no I/O, no clocks. The loop reports what each cycle cost.
 """
@@ -39,9 +40,11 @@ class DraftLengthPolicy:
     _cycles: int = 0
     _plain_since_probe: int = 0
     _current: int = 0
+    _probe_interval: int = 0  # plain cycles between probes now: probe_every, longer under load
 
     def __post_init__(self) -> None:
         self._current = max(0, min(self.initial, self.max_tokens))
+        self._probe_interval = self.probe_every
 
     @property
     def acceptance(self) -> float:
@@ -53,7 +56,7 @@ class DraftLengthPolicy:
     def next_k(self) -> int:
         """How many tokens to draft in the next cycle (0: decode plainly)."""
         if self._current == 0:
-            if self._plain_since_probe >= self.probe_every:
+            if self._plain_since_probe >= self._probe_interval:
                 self._plain_since_probe = 0
                 return max(1, min(self.initial, self.max_tokens))  # one probe cycle
             return 0
@@ -61,6 +64,8 @@ class DraftLengthPolicy:
 
     def observe_cycle(self, k: int, num_accepted: int, draft_s: float, verify_s: float) -> None:
         rejected = 1 if num_accepted < k else 0
+        if k > 0:  # the target verified a draft: the load lets speculation through again
+            self._probe_interval = self.probe_every
         self._accepted = self.decay * self._accepted + num_accepted
         self._trials = self.decay * self._trials + num_accepted + rejected
         if k > 0:
@@ -69,6 +74,15 @@ class DraftLengthPolicy:
         self._cycles += 1
         if self._cycles >= self.warmup_cycles:
             self._current = self.best_k()
+
+    def limit(self, num_tokens: int) -> None:
+        """The target verified only num_tokens of the draft: it trimmed the rest because, in its
+        current batch, they did not pay (specdec.engine.goodput). Draft no more than that until a
+        later cycle shows more pays. 0 switches to plain decoding, re-probed ever less often while
+        the target keeps refusing (every probe costs the loaded batch a draft round trip)."""
+        self._current = min(self._current, max(0, num_tokens))
+        if num_tokens == 0:
+            self._probe_interval = min(2 * self._probe_interval, 16 * self.probe_every)
 
     def observe_plain(self, step_s: float) -> None:
         self._plain_s = self._ewma(self._plain_s, step_s)

@@ -157,6 +157,8 @@ class SpeculativeLoop:
         if self.policy:
             self.policy.observe_cycle(outcome.num_drafted, outcome.num_accepted, drafted_at - started,
                                       verified_at - drafted_at)
+            if outcome.num_drafted < proposal.block.num_tokens:  # the loaded target trimmed the draft
+                self.policy.limit(outcome.num_drafted)
         self.observer.verified(outcome, proposal.proposer)
         new_tokens = proposal.block.token_ids[: outcome.num_accepted].tolist() + [outcome.next_token]
         cursor.tokens.extend(new_tokens)

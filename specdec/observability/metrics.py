@@ -188,6 +188,9 @@ class TargetMetrics(_CacheMetrics):
         )
         self.tokens = Counter("tokens", "Tokens processed by forward passes.", ("step",), **common)
         self.batch_rows = Gauge("batch_rows", "Sessions (rows) in the latest batched forward pass.", **common)
+        self.trimmed_draft_tokens = Counter(
+            "trimmed_draft_tokens", "Drafted tokens left unverified because they did not pay under load.", **common
+        )
 
 
 class DraftMetrics(_CacheMetrics):

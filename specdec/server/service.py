@@ -57,12 +57,15 @@ class BatchSettings:
 
     max_batch_size: int = 16  # work items (sessions' rows) per batched step
     batch_wait_s: float = 0.0  # hold a non-full batch this long for more work (0: never wait)
+    gather: float = 0.25  # wait for the sessions just served, at most this fraction of a step
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
             raise ConfigError(f"--max-batch-size must be >= 1, got {self.max_batch_size}")
         if not 0 <= self.batch_wait_s <= 1:
             raise ConfigError(f"--batch-wait-ms must be in [0, 1000], got {self.batch_wait_s * 1000:g}")
+        if not 0 <= self.gather <= 1:
+            raise ConfigError(f"--batch-gather must be in [0, 1], got {self.gather}")
 
 
 def add_batching_arguments(group: Any, *, what: str) -> None:
@@ -71,10 +74,14 @@ def add_batching_arguments(group: Any, *, what: str) -> None:
     group.add_argument("--batch-wait-ms", type=float, default=0.0,
                        help="hold a non-full batch this long for more work (default 0: a lone request "
                             "starts at once; a request arriving during a step joins the next one anyway)")
+    group.add_argument("--batch-gather", type=float, default=0.25,
+                       help="hold a step for the sessions of the last step (about to send their next work) "
+                            "at most this fraction of a step's duration, so that concurrent sessions share "
+                            "one step instead of alternating half-size ones (0: never hold)")
 
 
 def batch_settings_from_args(args: argparse.Namespace) -> BatchSettings:
-    return BatchSettings(args.max_batch_size, args.batch_wait_ms / 1000)
+    return BatchSettings(args.max_batch_size, args.batch_wait_ms / 1000, args.batch_gather)
 
 
 def check_model_settings(num_slots: int, max_context: int | None, session_ttl_s: float) -> None:

@@ -1,0 +1,158 @@
+"""Draft trimming by goodput: under load, verify only the drafted tokens that pay for their compute.
+
+Plain decoding of B sessions costs one forward of B tokens; verifying k drafted tokens each costs a
+forward of B(k + 1). While the weights dominate (a GPU at small batches) both cost about the same;
+on a CPU, or a GPU at large batches, the forward grows with its tokens, and drafted tokens that are
+likely rejected slow down every session of the batch: speculation falls below plain decoding, the
+common complaint against speculative serving. The target sees what the coordinator cannot: the
+whole batch and what each forward costs. So before each batched step the trimmer cuts every verify's
+draft to the prefix that maximises the batch's expected committed tokens per second (goodput, as in
+SmartSpec, Liu et al. 2024):
+
+    goodput = sum_i E_i(d_i) / T(sum of tokens fed),   E_i(d) = 1 + a_i + a_i^2 + ... + a_i^d
+
+E_i is Leviathan et al. (2023, sec. 3.1) with a_i the acceptance rate measured on session i's own
+verifies, and T(n) = alpha + beta * n the step time, fitted online to the measured steps. Drafted
+token j of session i adds a_i^j expected tokens for beta seconds, so tokens are taken greedily by
+a_i^j while that raises the goodput. Verifying a prefix of a draft is verifying a shorter draft, so
+the output is unchanged. The outcome's num_drafted says how many tokens were verified, so the
+coordinator's adaptive draft length sees the trimmed length and its cost, and shrinks k or stops
+drafting by itself (plain decoding while every drafted token is cut).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Sequence
+
+from specdec.engine.batch import DecodeWork, Result, VerifyWork, Work, run_target_batch
+from specdec.engine.target import TargetEngine
+from specdec.types import DraftBlock, VerifyOutcome
+
+
+@dataclass
+class StepCost:
+    """T(n) = alpha + beta * n by exponentially weighted least squares over measured steps."""
+
+    decay: float = 0.98  # weight of the past per step: the fit follows a changing machine load
+    min_steps: float = 8.0  # (weighted) steps before the fit is trusted
+    _w: float = 0.0
+    _n: float = 0.0
+    _nn: float = 0.0
+    _t: float = 0.0
+    _nt: float = 0.0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        d = self.decay
+        self._w, self._n, self._t = d * self._w + 1, d * self._n + tokens, d * self._t + seconds
+        self._nn, self._nt = d * self._nn + tokens * tokens, d * self._nt + tokens * seconds
+
+    def fit(self) -> tuple[float, float] | None:
+        """(alpha, beta) in seconds, or None until enough steps of different sizes were seen."""
+        if self._w < self.min_steps:
+            return None
+        mean_n, mean_t = self._n / self._w, self._t / self._w
+        variance = self._nn / self._w - mean_n * mean_n
+        if variance < 0.25:  # every step had (nearly) the same size: the slope is unknown
+            return None
+        beta = max(0.0, (self._nt / self._w - mean_n * mean_t) / variance)
+        return max(mean_t - beta * mean_n, 1e-6), beta
+
+
+@dataclass
+class _Acceptance:
+    accepted: float
+    trials: float
+
+
+class DraftTrimmer:
+    """Per-session acceptance and the step cost; trims a batch's drafts (thread-confined like the
+    engine: trim and observe run on the model thread)."""
+
+    def __init__(self, prior: float = 0.8, prior_trials: float = 2.0, decay: float = 0.9,
+                 max_sessions: int = 4096):
+        # An optimistic prior lets a new session show what its drafts are worth before load cuts
+        # them. A session cut to nothing keeps its estimate until the load lets its drafts through.
+        self.prior, self.prior_trials, self.decay = prior, prior_trials, decay
+        self.max_sessions = max_sessions
+        self.cost = StepCost()
+        self.trimmed_tokens = 0  # drafted tokens left unverified so far (a metric)
+        self._sessions: OrderedDict[str, _Acceptance] = OrderedDict()  # least recently seen first
+
+    def acceptance(self, session_id: str) -> float:
+        stats = self._sessions.get(session_id)
+        if stats is None:
+            return self.prior
+        return (stats.accepted + self.prior * self.prior_trials) / (stats.trials + self.prior_trials)
+
+    def trim(self, works: Sequence[Work]) -> list[Work]:
+        """The works with each verify's draft cut to the prefix that maximises the goodput.
+
+        A lone session is left alone: its drafted tokens slow down no one else, and the coordinator's
+        adaptive draft length already weighs them against its own measured costs."""
+        fit = self.cost.fit()
+        if fit is None or len(works) < 2:  # no cost measured yet, or no one else in the step
+            return list(works)
+        alpha, beta = fit
+        gain = float(len(works))  # every row commits one token: decoded, recovered or bonus
+        tokens = sum(1 + len(w.append_token_ids) if isinstance(w, DecodeWork) else 1 for w in works)
+        candidates = []  # (a_i^j, work index): what drafted token j of row i is expected to add
+        for index, work in enumerate(works):
+            if isinstance(work, VerifyWork):
+                a = self.acceptance(work.session_id)
+                candidates += [(a ** j, index) for j in range(1, work.draft.num_tokens + 1)]
+        keep = [0] * len(works)
+        for value, index in sorted(candidates, reverse=True):
+            # (gain + value) / T(tokens + 1) > gain / T(tokens)  <=>  value * T(tokens) > gain * beta
+            if value * (alpha + beta * tokens) <= gain * beta:
+                break
+            gain, tokens = gain + value, tokens + 1
+            keep[index] += 1  # a row's values fall with j, so its kept tokens are a prefix
+        return [self._cut(work, keep[i]) if isinstance(work, VerifyWork) else work
+                for i, work in enumerate(works)]
+
+    def observe(self, works: Sequence[Work], results: Sequence[Result], seconds: float) -> None:
+        """After a step: its cost, and the acceptance seen by each verified draft."""
+        tokens = sum(1 + len(w.append_token_ids) if isinstance(w, DecodeWork) else 1 + w.draft.num_tokens
+                     for w in works)
+        self.cost.observe(tokens, seconds)
+        for work, result in zip(works, results):
+            if isinstance(work, VerifyWork) and isinstance(result, VerifyOutcome) and result.num_drafted:
+                stats = self._stats(work.session_id)
+                rejected = 1 if result.num_accepted < result.num_drafted else 0
+                stats.accepted = self.decay * stats.accepted + result.num_accepted
+                stats.trials = self.decay * stats.trials + result.num_accepted + rejected
+
+    def _cut(self, work: VerifyWork, keep: int) -> VerifyWork:
+        if keep >= work.draft.num_tokens:
+            return work
+        self.trimmed_tokens += work.draft.num_tokens - keep
+        return dataclasses.replace(work, draft=prefix(work.draft, keep))
+
+    def _stats(self, session_id: str) -> _Acceptance:
+        stats = self._sessions.get(session_id)
+        if stats is None:
+            stats = self._sessions[session_id] = _Acceptance(0.0, 0.0)
+            while len(self._sessions) > self.max_sessions:  # forget the longest unseen
+                self._sessions.popitem(last=False)
+        self._sessions.move_to_end(session_id)
+        return stats
+
+
+def prefix(draft: DraftBlock, length: int) -> DraftBlock:
+    """The first `length` drafted tokens with their distributions: a shorter draft."""
+    if draft.draft_probs is None:
+        return DraftBlock(draft.token_ids[:length])
+    return DraftBlock(draft.token_ids[:length], draft.draft_prob_ids[:length], draft.draft_probs[:length])
+
+
+def run_trimmed_batch(engine: TargetEngine, trimmer: DraftTrimmer, works: Sequence[Work]) -> list[Result]:
+    """run_target_batch with the drafts trimmed by goodput, timing the step for the cost model."""
+    works = trimmer.trim(works)
+    started = time.perf_counter()
+    results = run_target_batch(engine, works)
+    trimmer.observe(works, results, time.perf_counter() - started)
+    return results

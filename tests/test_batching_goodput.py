@@ -1,0 +1,173 @@
+"""Draft trimming by goodput: the step cost fit; the trim (the best prefixes, checked by brute force;
+nothing trimmed while drafted tokens are free or a session is alone; low-acceptance drafts dropped
+under load); lossless verification of trimmed drafts through the engine; the adaptive loop decoding
+plainly while the target trims."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+
+from specdec.engine.batch import DecodeWork, VerifyWork
+from specdec.engine.goodput import DraftTrimmer, StepCost, prefix, run_trimmed_batch
+from specdec.engine.target import TargetEngine
+from specdec.models.loader import load_model
+from specdec.sampling.params import SamplingParams
+from specdec.types import DraftBlock, VerifyOutcome
+
+ALPHA, BETA = 0.07, 0.007  # a CPU-like step: 70 ms of weights plus 7 ms per token
+
+
+def trimmer_with_cost(alpha: float = ALPHA, beta: float = BETA, **kwargs) -> DraftTrimmer:
+    trimmer = DraftTrimmer(**kwargs)
+    for n in range(1, 21):
+        trimmer.cost.observe(n, alpha + beta * n)
+    return trimmer
+
+
+def teach(trimmer: DraftTrimmer, session_id: str, accepted: int, drafted: int, times: int = 30) -> None:
+    """Verify outcomes of a session, leaving the step cost as it was."""
+    cost = copy.deepcopy(trimmer.cost)
+    work = VerifyWork(session_id, 0, DraftBlock(torch.zeros(drafted, dtype=torch.long)))
+    for _ in range(times):
+        trimmer.observe([work], [VerifyOutcome(0, drafted, accepted, 0)], ALPHA)
+    trimmer.cost = cost
+
+
+def verify(session_id: str, k: int) -> VerifyWork:
+    return VerifyWork(session_id, 10, DraftBlock(torch.arange(k)))
+
+
+def test_step_cost_fit():
+    cost = StepCost()
+    for n in [1, 5, 16, 80, 3, 40] * 3:
+        cost.observe(n, 0.05 + 0.002 * n)
+    alpha, beta = cost.fit()
+    assert alpha == pytest.approx(0.05) and beta == pytest.approx(0.002)
+    same_size = StepCost()
+    for _ in range(20):
+        same_size.observe(16, 0.1)
+    assert same_size.fit() is None  # no slope can be told from steps of one size
+
+
+def goodput(trimmer: DraftTrimmer, works, kept: list[int]) -> float:
+    gain = sum(sum(trimmer.acceptance(w.session_id) ** j for j in range(d + 1)) if isinstance(w, VerifyWork)
+               else 1.0 for w, d in zip(works, kept))
+    tokens = sum(1 + d for d in kept)
+    return gain / (ALPHA + BETA * tokens)
+
+
+def test_trim_keeps_the_prefixes_with_the_best_goodput():
+    trimmer = trimmer_with_cost()
+    for session_id, accepted in (("good", 4), ("fair", 2), ("poor", 0)):
+        teach(trimmer, session_id, accepted, 4)
+    works = [verify("good", 4), verify("fair", 4), verify("poor", 4), DecodeWork("plain", 10)]
+    kept = [w.draft.num_tokens if isinstance(w, VerifyWork) else 0 for w in trimmer.trim(works)]
+    options = itertools.product(range(5), range(5), range(5), [0])
+    best = max(options, key=lambda ks: goodput(trimmer, works, list(ks)))
+    assert kept == list(best)
+    assert kept[0] > kept[1] > kept[2] == 0
+
+
+def test_under_load_low_acceptance_drafts_are_dropped_and_free_tokens_are_kept():
+    loaded = trimmer_with_cost()
+    for i in range(16):
+        teach(loaded, f"s{i}", 1, 4)  # a ~ 0.5: in a batch of 16 no drafted token pays for itself
+    trimmed = loaded.trim([verify(f"s{i}", 4) for i in range(16)])
+    assert all(w.draft.num_tokens == 0 for w in trimmed)
+    pair = [verify("s0", 4), DecodeWork("other", 10)]
+    assert 0 < loaded.trim(pair)[0].draft.num_tokens < 4  # with one other row the first ones still pay
+    assert loaded.trim(pair[:1])[0].draft.num_tokens == 4  # alone: the coordinator's call
+    flat = trimmer_with_cost(beta=0.0)  # a GPU at small batches: tokens cost nothing extra
+    teach(flat, "s0", 0, 4)
+    assert flat.trim(pair)[0].draft.num_tokens == 4
+    assert DraftTrimmer().trim(pair)[0].draft.num_tokens == 4  # no cost measured yet
+
+
+def test_prefix_keeps_the_distributions_of_the_kept_tokens():
+    block = DraftBlock(torch.tensor([4, 5, 6]), torch.tensor([[4, 1], [5, 2], [6, 3]]),
+                       torch.tensor([[0.5, 0.5], [0.9, 0.1], [1.0, 0.0]]))
+    short = prefix(block, 2)
+    assert short.token_ids.tolist() == [4, 5] and short.draft_probs.shape == (2, 2)
+    assert prefix(DraftBlock(torch.tensor([1, 2])), 0).num_tokens == 0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: intra-op threads only spin on a shared machine
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from specdec.testing.tiny_models import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("goodput") / "target", vocab_size=256, seed=0)
+
+
+def test_trimmed_verification_is_lossless(tiny_dir):
+    """Greedy sessions whose drafts are trimmed commit exactly what plain decoding commits."""
+    model = load_model(tiny_dir, backend="native", num_slots=8, max_context=128)
+    engine, plain = TargetEngine(model), TargetEngine(load_model(tiny_dir, backend="native", num_slots=8,
+                                                                  max_context=128))
+    trimmer = trimmer_with_cost(beta=0.02)
+    prompts = {f"s{i}": [i + 1, 2 * i + 3, 7] for i in range(6)}
+    expected = {}
+    for session_id, prompt in prompts.items():
+        engine.start_session(session_id, prompt, SamplingParams())
+        plain.start_session(session_id, prompt, SamplingParams())
+        expected[session_id] = plain.committed_tokens(session_id) + plain.decode(session_id, 4, 70)
+        teach(trimmer, session_id, int(session_id[1]) % 5, 4)  # acceptance 0 .. 0.8: some trimmed
+    for _ in range(12):
+        works = []
+        for session_id in prompts:
+            position = len(engine.committed_tokens(session_id))
+            start = position - 3
+            draft = torch.tensor(expected[session_id][3:][start: start + 4], dtype=torch.long)
+            works.append(VerifyWork(session_id, position, DraftBlock(draft)))
+        results = run_trimmed_batch(engine, trimmer, works)
+        assert all(isinstance(r, VerifyOutcome) for r in results)
+    assert trimmer.trimmed_tokens > 0
+    for session_id in prompts:
+        committed = engine.committed_tokens(session_id)
+        assert committed == expected[session_id][: len(committed)]
+
+
+class TrimmingTarget:
+    """A target that verifies none of the drafted tokens, as a heavily loaded one does."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+    async def verify(self, session_id, position, draft, epoch=0):
+        return await self.target.verify(session_id, position, prefix(draft, 0), epoch)
+
+
+async def test_the_adaptive_loop_stops_drafting_when_the_target_trims(tiny_dir):
+    from specdec.engine.draft import DraftEngine
+    from specdec.engine.local import LocalDraft, LocalTarget
+    from specdec.generation.loop import LoopSettings, generate
+    from specdec.generation.stopping import StopChecker
+    from specdec.proposers.draft_model import DraftModelProposer
+
+    def target():
+        return LocalTarget(TargetEngine(load_model(tiny_dir, backend="native", num_slots=2, max_context=128)))
+
+    async def emit(tokens):
+        pass
+
+    draft = LocalDraft(DraftEngine(DraftModelProposer(load_model(tiny_dir, backend="native", num_slots=2,
+                                                                 max_context=128))))
+    args = ([5, 6, 7], SamplingParams(), StopChecker(40), emit)
+    plain = await generate(target(), None, "p", *args[:2], StopChecker(40), emit)
+    result = await generate(TrimmingTarget(target()), draft, "s", *args, LoopSettings(adaptive=True))
+    assert result.token_ids == plain.token_ids
+    assert result.stats.cycles <= 3 and result.stats.decode_steps >= 35  # one try, then rare probes
