@@ -183,3 +183,19 @@ def test_delay_proxy_relays_bytes_and_holds_them(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_method_choice_reports_what_is_not_built_or_lacks_a_draft():
+    from specdec.bench.methods import base_name, choose_methods, is_service, proposer_of
+
+    run, skipped = choose_methods(None, have_draft=False)
+    assert "specdec-ngram" in run and "specdec-draft" not in run and "hf-assisted" not in run
+    assert "not built" in skipped["specdec-ngram-pipelined"] and "draft" in skipped["specdec-draft"]
+    run, _ = choose_methods(["plain", "specdec-draft"], have_draft=True, replay_alphas=(0.8,))
+    assert run == ["plain", "specdec-draft", "specdec-replay-0.8"]
+    assert proposer_of("specdec-replay-0.8") == "replay-0.8" and proposer_of("specdec-draft@server") == "draft-model"
+    assert is_service("specdec-ngram@server") and base_name("specdec-ngram@server") == "specdec-ngram"
+    with pytest.raises(ValueError, match="unknown methods"):
+        choose_methods(["nope"], have_draft=True)
+    with pytest.raises(ValueError, match="draft"):
+        choose_methods(["plain"], have_draft=False, replay_alphas=(0.8,))

@@ -38,16 +38,24 @@ def replay_method(alpha: float) -> str:
     return f"{REPLAY_PREFIX}{alpha:g}"
 
 
+SERVER_POLICY = "@server"  # suffix: the same method with the coordinator's own draft-length policy
+
+
+def base_name(name: str) -> str:
+    return name.removesuffix(SERVER_POLICY)
+
+
 def is_service(name: str) -> bool:
-    return name in SERVICE_METHODS or name.startswith(REPLAY_PREFIX)
+    return base_name(name) in SERVICE_METHODS or name.startswith(REPLAY_PREFIX)
 
 
 def is_speculative(name: str) -> bool:
-    return name in SPECULATIVE or name.startswith(REPLAY_PREFIX)
+    return base_name(name) in SPECULATIVE or name.startswith(REPLAY_PREFIX)
 
 
 def proposer_of(name: str) -> str | None:
     """The proposer a service method's coordinator drafts with (draft service name)."""
+    name = base_name(name)
     if name.startswith(REPLAY_PREFIX):
         return "replay-" + name[len(REPLAY_PREFIX):]
     return {"specdec-ngram": "ngram", "specdec-draft": "draft-model"}.get(name)

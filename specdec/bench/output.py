@@ -47,7 +47,7 @@ def recompute(report: dict) -> dict:
                        {int(k): v for k, v in t["t_verify"].items()}, t["t_draft"]) for t in report["step_times"]]
     methods = [m for m, v in report["methods"].items() if v["status"] == "run"]
     policy = report["meta"]["draft_length_policy"]
-    fixed_k = policy["num_draft_tokens"] if policy["policy"] == "fixed" else None
+    fixed_k = policy["num_draft_tokens"] if policy["policy"].startswith("fixed") else None
     notes = {"netem": {"network": report["netem"]["network"],
                        "levels": {lv: t["_network"] for lv, t in report["netem"]["levels"].items()}}
              if report.get("netem") else None,
@@ -58,7 +58,7 @@ def recompute(report: dict) -> dict:
 def assemble(bench: Bench, collected: Collected) -> dict:
     c = bench.config
     notes = collected.notes
-    fixed_k = c.num_draft_tokens if c.k_policy == "fixed" else None
+    fixed_k = c.num_draft_tokens if c.k_policy.startswith("fixed") else None
     categories = collections.Counter(p.category for p in bench.prompts)
     return {
         "schema": SCHEMA,
@@ -74,7 +74,8 @@ def assemble(bench: Bench, collected: Collected) -> dict:
             "sampling": {"temperature": 0.0, "greedy": True, "max_new_tokens": c.max_new_tokens, "batch": 1},
             "draft_length_policy": {"policy": c.k_policy, "num_draft_tokens": c.num_draft_tokens,
                                     "note": "fixed: every request names k; server: the coordinator's default "
-                                            "policy (request k = 0)"},
+                                            "policy (request k = 0); fixed,server: methods named ...@server "
+                                            "use the coordinator's policy"},
             "runs": c.runs, "seed": c.seed,
             "order": "batch 1: per prompt every method once, order rotated from prompt to prompt (base order "
                      "shuffled with the seed); engine step times measured in the same rotation",

@@ -19,10 +19,12 @@ def plot_report(report: dict, path: Path) -> Path:
     fig, axes = plt.subplots(1, 2 + len(extra), figsize=(7 + 5 * (1 + len(extra)), 4.8), squeeze=False,
                              gridspec_kw={"width_ratios": [2.2] + [1] * (1 + len(extra))})
     axes = axes[0]
-    _speedup_by_category(axes[0], batch1)
-    _acceptance_by_position(axes[1], batch1["overall"])
+    run = [m for m, v in report["methods"].items() if v["status"] == "run"]
+    colors = {m: f"C{i % 10}" for i, m in enumerate(run)}  # one colour per method in every panel
+    _speedup_by_category(axes[0], batch1, colors)
+    _acceptance_by_position(axes[1], batch1["overall"], colors)
     for ax, part in zip(axes[2:], extra):
-        (_concurrency if part == "concurrency" else _netem)(ax, report[part])
+        (_concurrency if part == "concurrency" else _netem)(ax, report[part], colors)
     meta = report["meta"]
     where = (f"{meta['machine']['cores']} CPU cores, {meta['threads']} thread(s) per process" if meta["device"] == "cpu"
              else meta["device"])
@@ -41,14 +43,15 @@ def _speculative(table: dict) -> list[str]:
     return [m for m, v in table.items() if is_speculative(m) and v.get("speedup") is not None]
 
 
-def _speedup_by_category(ax, batch1: dict) -> None:
+def _speedup_by_category(ax, batch1: dict, colors: dict) -> None:
     methods = _speculative(batch1["overall"])
     groups = ["overall"] + sorted(batch1["by_category"])
     tables = [batch1["overall"]] + [batch1["by_category"][c] for c in groups[1:]]
     width = 0.8 / max(1, len(methods))
     for i, method in enumerate(methods):
         values = [t.get(method, {}).get("speedup") or 0.0 for t in tables]
-        ax.bar([g + i * width - 0.4 + width / 2 for g in range(len(groups))], values, width, label=method)
+        ax.bar([g + i * width - 0.4 + width / 2 for g in range(len(groups))], values, width, label=method,
+               color=colors.get(method))
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(range(len(groups)))
     ax.set_xticklabels(groups, rotation=35, ha="right", fontsize=8)
@@ -57,12 +60,12 @@ def _speedup_by_category(ax, batch1: dict) -> None:
     ax.legend(fontsize=7)
 
 
-def _acceptance_by_position(ax, overall: dict) -> None:
+def _acceptance_by_position(ax, overall: dict, colors: dict) -> None:
     for method, values in overall.items():
         accept = values.get("acceptance_by_position") if isinstance(values, dict) else None
         if accept:
             ax.plot(range(1, len(accept) + 1), [a if a is not None else float("nan") for a in accept],
-                    marker="o", label=method)
+                    marker="o", label=method, color=colors.get(method))
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_xlabel("draft position")
     ax.set_ylabel("acceptance (accepted / drafted there)")
@@ -71,12 +74,12 @@ def _acceptance_by_position(ax, overall: dict) -> None:
     ax.legend(fontsize=7)
 
 
-def _concurrency(ax, concurrency: dict) -> None:
+def _concurrency(ax, concurrency: dict, colors: dict) -> None:
     levels = sorted(concurrency, key=float)
-    methods = sorted({m for t in concurrency.values() for m in t})
+    methods = [m for m in colors if any(m in t for t in concurrency.values())]
     for method in methods:
         ax.plot([int(lv) for lv in levels], [concurrency[lv].get(method, {}).get("tokens_per_s") for lv in levels],
-                marker="o", label=method)
+                marker="o", label=method, color=colors.get(method))
     ax.set_xscale("log", base=2)
     ax.set_xticks([int(lv) for lv in levels], [str(lv) for lv in levels])
     ax.set_xlabel("concurrent sessions")
@@ -85,14 +88,15 @@ def _concurrency(ax, concurrency: dict) -> None:
     ax.legend(fontsize=7)
 
 
-def _netem(ax, netem: dict) -> None:
+def _netem(ax, netem: dict, colors: dict) -> None:
     levels = sorted(netem["levels"], key=float)
-    methods = sorted({m for lv in levels for m, v in netem["levels"][lv].items() if v.get("speedup") is not None})
+    methods = [m for m in colors if any((netem["levels"][lv].get(m) or {}).get("speedup") for lv in levels)]
     for method in methods:
         ax.plot([float(lv) for lv in levels], [netem["levels"][lv].get(method, {}).get("speedup") for lv in levels],
-                marker="o", label=method)
+                marker="o", label=method, color=colors.get(method))
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xlabel(f"added delay each direction, ms ({netem['network']['mode']})")
+    ax.set_ylim(bottom=0)
     ax.set_ylabel("speedup over plain at the same delay (x)")
     ax.set_title("Cross-node latency", fontsize=9)
     ax.legend(fontsize=7)

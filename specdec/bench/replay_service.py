@@ -5,13 +5,14 @@ benchmarks). Every draft service flag applies (--proposer draft-model --model DI
     --replay-references FILE     JSON {"references": [[prompt + greedy output ids], ...]}
     --replay-seed S
 
-The draft model does its real forward passes; only the proposed token is replayed
-(specdec/proposers/replay.py).
+The draft service is built as usual (draft_service.main.build_engine); only its proposer is swapped
+for a ReplayProposer around the same loaded model, so the forward passes and their batching are the
+real draft's (specdec/proposers/replay.py).
 """
 
 from __future__ import annotations
 
-import asyncio
+import dataclasses
 import json
 import logging
 import sys
@@ -20,12 +21,8 @@ from pathlib import Path
 
 def main(argv: list[str] | None = None) -> int:
     from draft_service import main as draft_main
-    from draft_service.servicer import DraftServiceConfig
-    from specdec.engine.draft import DraftEngine
-    from specdec.models.loader import load_model
-    from specdec.models.registry import resolve_model
-    from specdec.observability.tracing import setup_tracing
     from specdec.proposers.replay import ReplayProposer
+    from specdec.server import service
 
     parser = draft_main.build_parser()
     parser.prog = "python -m specdec.bench.replay_service"
@@ -35,22 +32,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = draft_main.settings_from_args(args)
-    model_dir = resolve_model(settings.model)
-    tokenizer_dir = resolve_model(settings.tokenizer) if settings.tokenizer else model_dir
-    fingerprint, eos_ids = draft_main.tokenizer_facts(tokenizer_dir)
-    model = load_model(model_dir, backend=settings.backend, device=settings.device, dtype=settings.dtype,
-                       num_slots=settings.num_slots, max_context=settings.max_context, name=settings.model)
+    if settings.proposer != "draft-model":
+        parser.error("the replay proposer runs a draft model's passes: use --proposer draft-model --model DIR")
+    engine, config = draft_main.build_engine(settings)
     references = json.loads(args.replay_references.read_text())["references"]
-    proposer = ReplayProposer(model, references, args.replay_alpha, args.replay_seed)
-    engine = DraftEngine(proposer, idle_ttl_s=settings.session_ttl_s, max_draft_tokens=settings.max_draft_tokens)
-    config = DraftServiceConfig(model.info, fingerprint, eos_ids, settings.num_draft_tokens, None,
-                                model.info.max_context)
-    provider = setup_tracing(settings.server.tracing.service_name, settings.server.tracing.sampling_ratio)
-    try:
-        asyncio.run(draft_main.serve_draft(settings, engine, config, provider))
-    finally:
-        provider.shutdown()
-    return 0
+    engine.proposer = ReplayProposer(engine.proposer.model, references, args.replay_alpha, args.replay_seed)
+    config = dataclasses.replace(config, top_m=None)  # point masses: no distributions travel
+    return service.run_traced(settings.server,
+                              lambda provider: draft_main.serve_draft(settings, engine, config, provider))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,8 @@ from typing import Iterable
 
 import numpy as np
 
-from specdec.bench.methods import DEFAULT_REFERENCE, REFERENCE, REPLAY_PREFIX, RequestResult, is_service, is_speculative
+from specdec.bench.methods import (DEFAULT_REFERENCE, REFERENCE, REPLAY_PREFIX, SERVER_POLICY, RequestResult,
+                                   base_name, is_service, is_speculative)
 from specdec.bench.timing import StepTimes, summarize
 from specdec.generation.equality import compare_outputs
 
@@ -31,6 +32,7 @@ from specdec.generation.equality import compare_outputs
 
 def timed_proposer(name: str) -> str | None:
     """Which engine timing (timing.py) gives a method's draft step: replay runs the draft model's passes."""
+    name = base_name(name)
     if name == "specdec-ngram":
         return "ngram"
     return "draft-model" if name == "specdec-draft" or name.startswith(REPLAY_PREFIX) else None
@@ -150,7 +152,8 @@ def phase_table(results: list[RequestResult], methods: list[str], times: list[St
             m["speedup"] = m["tokens_per_s"] / ref_metrics["tokens_per_s"]
             m.update(lossless(by_method[name], by_method[reference]))
         if timed_proposer(name):
-            m.update(ideal_speedup(m, timing, timed_proposer(name), draft_length))
+            g = None if name.endswith(SERVER_POLICY) else draft_length  # None: the mean k used
+            m.update(ideal_speedup(m, timing, timed_proposer(name), g))
             if not m.get("cycles"):
                 m["warning"] = ("no speculative cycle at all: the coordinator decoded plainly (draft refused, "
                                 "e.g. a vocab fingerprint mismatch, or failing); see the coordinator's log")

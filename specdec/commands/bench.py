@@ -52,8 +52,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--limit", type=int, help="at most N prompts, taken round-robin over categories")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--num-draft-tokens", "-k", type=int, default=4)
-    parser.add_argument("--k-policy", choices=["fixed", "server"], default="fixed",
-                        help="fixed: every request drafts k; server: the coordinator's own draft-length policy")
+    parser.add_argument("--k-policy", choices=["fixed", "server", "fixed,server"], default="fixed",
+                        help="fixed: every request drafts k; server: the coordinator's own draft-length policy "
+                             "(request k = 0); fixed,server: both, the latter as methods named ...@server")
     parser.add_argument("--methods", default="", help=f"comma-separated subset of: {', '.join(CATALOG)}")
     parser.add_argument("--runs", type=int, default=1, help="passes over the prompts (batch 1)")
     parser.add_argument("--concurrency", type=_ints, default=(1,),

@@ -1,18 +1,20 @@
 """Replay proposer: a draft model's real forward passes with a chosen acceptance rate.
 
 For model-scale benchmarks where no trained draft of that size exists (../shared/docs/MODELS.md):
-the draft model runs exactly the forward passes a real draft would (real cost), but the token it
-proposes at absolute position p is the target's own greedy token there with probability alpha, else
-another token. The target's greedy tokens come from references: full sequences (prompt + the
-target's plain greedy output) recorded beforehand. Under greedy verification every position is then
-accepted independently with probability alpha, so a cycle of k tokens commits
-(1 - alpha^(k+1)) / (1 - alpha) tokens on average, which is what the ideal speedup assumes.
+the draft model runs exactly the forward passes a real draft would (real cost, batched like any
+draft), but the token it proposes at absolute position p is the target's own greedy token there
+with probability alpha, else another token. The target's greedy tokens come from references: full
+sequences (prompt + the target's plain greedy output) recorded beforehand. Under greedy
+verification every position is then accepted independently with probability alpha, so a cycle of k
+tokens commits (1 - alpha^(k+1)) / (1 - alpha) tokens on average, which is what the ideal speedup
+assumes.
 
 The draws are keyed on (seed, reference, position), never on call order: re-drafting a position
 gives the same decision, and runs repeat exactly. Proposals are point masses, so verification stays
 lossless under any sampling mode; with no matching reference (another prompt, a sampled output that
-left the greedy path) every proposed token is the draft model's own greedy choice.
-alpha is an input of the benchmark, never a result.
+left the greedy path) a proposed token is the draft model's own. The draft's KV cache holds its own
+tokens where the replayed ones differ: it costs the same, and its logits are used only without a
+reference. alpha is an input of the benchmark, never a result.
 """
 
 from __future__ import annotations
@@ -24,8 +26,7 @@ import torch
 
 from specdec.errors import InvalidArgument
 from specdec.models.base import CausalLM
-from specdec.proposers.draft_model import DraftModelProposer, _DraftSlot
-from specdec.sampling.params import SamplingParams
+from specdec.proposers.draft_model import DraftModelProposer
 from specdec.types import DraftBlock
 
 
@@ -40,30 +41,24 @@ class ReplayProposer(DraftModelProposer):
         self.alpha, self.seed = alpha, seed
         self._reference_of: dict[str, int | None] = {}  # session id -> index into references
 
-    def close(self, state: _DraftSlot) -> None:
+    def close(self, state) -> None:
         self._reference_of.pop(state.session_id, None)
         super().close(state)
 
-    def propose(
-        self, state: _DraftSlot, token_ids: Sequence[int], num_tokens: int, params: SamplingParams
-    ) -> DraftBlock:
-        num_tokens = min(num_tokens, self.model.info.max_context - len(token_ids) + 1)
-        if num_tokens <= 0 or not token_ids:
-            return DraftBlock.empty()
-        reference = self._reference(state.session_id, token_ids)
-        slot = self._ensure_slot(state)
-        cached = self.model.length(slot)
-        if cached >= len(token_ids):  # logits after the last token need that token fed again
-            cached = len(token_ids) - 1
-            self.model.truncate(slot, cached)
-        feed = list(token_ids[cached:])
-        drafted: list[int] = []
-        for i in range(num_tokens):
-            logits = self.model.forward([slot], [feed], [1])[0][-1]  # [vocab]: the real cost
-            token = self._choose(reference, len(token_ids) + i, int(torch.argmax(logits)))
-            drafted.append(token)
-            feed = [token]
-        return DraftBlock(token_ids=torch.tensor(drafted, dtype=torch.long))
+    def propose_batch(self, requests: Sequence) -> list[DraftBlock | Exception]:
+        """The draft model's own proposals (its real forward passes), then each token replaced by
+        the replayed one. requests are propose()'s arguments: (state, token_ids, num_tokens, params)."""
+        results = super().propose_batch(requests)
+        replayed: list[DraftBlock | Exception] = []
+        for (state, token_ids, _, _), block in zip(requests, results):
+            if isinstance(block, Exception) or block.num_tokens == 0:
+                replayed.append(block)
+                continue
+            reference = self._reference(state.session_id, token_ids)
+            own = block.token_ids.tolist()
+            tokens = [self._choose(reference, len(token_ids) + i, token) for i, token in enumerate(own)]
+            replayed.append(DraftBlock(token_ids=torch.tensor(tokens, dtype=torch.long)))
+        return replayed
 
     def _reference(self, session_id: str, token_ids: Sequence[int]) -> int | None:
         """The reference this session follows: the one whose prefix is the committed sequence."""
