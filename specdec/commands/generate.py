@@ -7,6 +7,7 @@ import asyncio
 import json
 import sys
 
+from specdec.models.reduced_head import parse_head_vocab
 from specdec.sampling.params import SamplingMode, SamplingParams
 
 
@@ -41,8 +42,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--num-draft-tokens", "-k", type=int, default=4,
                         help="draft length (the starting one with --draft-length adaptive)")
     parser.add_argument("--draft-length", choices=["adaptive", "fixed"], default="adaptive")
-    parser.add_argument("--draft-head-vocab", type=int, default=0,
-                        help="score only the draft's N most frequent tokens (0 = full vocabulary)")
+    parser.add_argument("--draft-head-vocab", type=parse_head_vocab, default="auto",
+                        help="score only the draft's N most frequent tokens and the session's own context "
+                             "tokens ('auto': the draft's recommendation on CPU; 'full' or 0: the whole vocabulary)")
     parser.add_argument("--backend", choices=["native", "hf", "auto"], default="native")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")

@@ -41,7 +41,7 @@ class LocalSettings:
     num_draft_tokens: int = 4
     adaptive: bool = True  # adapt the draft length per session (specdec.generation.adaptive)
     top_m: int = 64
-    draft_head_vocab: int = 0  # reduced draft output head (0 = full vocabulary)
+    draft_head_vocab: int | str | None = "auto"  # reduced draft output head (specdec.models.loader)
 
 
 @dataclass
@@ -62,7 +62,7 @@ def build_proposer(draft: str, settings: LocalSettings, target_tokenizer) -> obj
     draft_dir = resolve_model(draft)
     check_compatible(load_tokenizer(draft_dir), target_tokenizer)
     model = load_model(draft_dir, backend=settings.backend, device=settings.device, dtype=settings.dtype,
-                       head_vocab=settings.draft_head_vocab or None,
+                       head_vocab=settings.draft_head_vocab,
                        num_slots=settings.num_slots, max_context=settings.max_context)
     return DraftModelProposer(model, top_m=settings.top_m)
 

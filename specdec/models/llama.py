@@ -129,18 +129,38 @@ class LlamaModel:
         slots: Sequence[int],
         token_ids: Sequence[Sequence[int]],
         num_logits: Sequence[int] | None = None,
+        extra_head_ids: Sequence[torch.Tensor | None] | None = None,
     ) -> list[torch.Tensor]:
+        """Logits [num_logits[i], head] per row. With a reduced head, extra_head_ids[i] (token ids
+        outside it, e.g. the session's own context) adds their scores as further columns, in order."""
         lengths = [len(row) for row in token_ids]
         num_logits = list(lengths if num_logits is None else num_logits)
-        logits = self._forward(list(slots), token_ids, lengths, num_logits)  # [sum(num_logits), vocab]
+        logits, hidden = self._forward(list(slots), token_ids, lengths, num_logits)  # [sum(num_logits), .]
         # Tensors made under inference_mode refuse in-place edits outside it; callers (samplers that
         # mask logits) get ordinary tensors. The copy is a few rows of the vocabulary.
-        return list(logits.clone().split(num_logits))
+        rows = list(logits.clone().split(num_logits))
+        if extra_head_ids is not None:
+            rows = self._add_extra_head(rows, hidden.split(num_logits), extra_head_ids)
+        return rows
+
+    @torch.inference_mode()
+    def _add_extra_head(self, rows: list[torch.Tensor], hidden: Sequence[torch.Tensor],
+                        extra_head_ids: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+        source = self.weights.full_head
+        if source is None:
+            raise InvalidArgument("extra_head_ids needs a reduced head (head_token_ids)")
+        out = []
+        for logits, h, ids in zip(rows, hidden, extra_head_ids):
+            if ids is not None and len(ids):
+                extra = F.linear(h, source.index_select(0, ids.to(source.device))).float()  # [n, len(ids)]
+                logits = torch.cat((logits, extra), dim=-1)
+            out.append(logits.clone())
+        return out
 
     @torch.inference_mode()
     def _forward(
         self, slots: list[int], token_ids: Sequence[Sequence[int]], lengths: list[int], num_logits: list[int]
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         batch = self._plan(slots, token_ids, lengths, num_logits)
         x = F.embedding(batch.tokens, self.weights.embed)  # [B * T, hidden]
         for index, layer in enumerate(self.weights.layers):
@@ -149,7 +169,7 @@ class LlamaModel:
         h = _rms_norm(x.index_select(0, batch.logit_rows), self.weights.final_norm, self.config.rms_norm_eps)
         logits = self.linear(h, self.weights.lm_head).float()  # [N, vocab]
         self.cache.advance(slots, lengths)
-        return logits
+        return logits, h
 
     def _attention(self, x: torch.Tensor, w: LayerWeights, index: int, b: _Batch) -> torch.Tensor:
         cfg = self.config
