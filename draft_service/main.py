@@ -45,6 +45,7 @@ class DraftServiceSettings:
     backend: str = "native"
     device: str = "cpu"
     dtype: str = "float32"
+    cuda_graphs: bool | None = None  # None: on for a CUDA device
     num_slots: int = 8
     max_context: int | None = None
     top_m: int = 64
@@ -137,7 +138,7 @@ def build_engine(settings: DraftServiceSettings):
         log.info("loading draft model %s from %s", settings.model, model_dir)
         model = load_model(model_dir, backend=settings.backend, device=settings.device, dtype=settings.dtype,
                            num_slots=settings.num_slots, max_context=settings.max_context, name=settings.model,
-                           head_vocab=settings.head_vocab)
+                           head_vocab=settings.head_vocab, cuda_graphs=settings.cuda_graphs)
         proposer = DraftModelProposer(model, top_m=settings.top_m)
         info, top_m = model.info, settings.top_m
     engine = DraftEngine(proposer, idle_ttl_s=settings.session_ttl_s, max_draft_tokens=settings.max_draft_tokens)

@@ -48,6 +48,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--backend", choices=["native", "hf", "auto"], default="native")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument("--cuda-graphs", choices=["on", "off"], default=None,
+                        help="replay decode and verify steps as CUDA graphs (default: on for a CUDA device)")
     parser.add_argument("--raw", action="store_true", help="send the prompt as plain text, no chat template")
     parser.add_argument("--compare", action="store_true",
                         help="also decode plainly and report the speedup and token-for-token equality")
@@ -73,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
     draft = args.draft or default_draft()
     system = LocalSystem(LocalSettings(target=args.target, draft=draft, backend=args.backend,
                                        device=args.device, dtype=args.dtype,
+                                       cuda_graphs=None if args.cuda_graphs is None else args.cuda_graphs == "on",
                                        num_draft_tokens=args.num_draft_tokens,
                                        adaptive=args.draft_length == "adaptive",
                                        draft_head_vocab=args.draft_head_vocab))

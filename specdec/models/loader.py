@@ -37,6 +37,7 @@ def load_model(
     kv_budget_bytes: int | None = None,
     name: str | None = None,
     head_vocab: int | str | None = None,
+    cuda_graphs: bool | None = None,
 ) -> CausalLM:
     """Load the model in directory `path` with `backend` ("native", "hf", or "auto": native if supported).
 
@@ -44,7 +45,9 @@ def load_model(
     only) sizes the slot pool from a memory budget instead of num_slots. head_vocab (native only): keep
     the first head_vocab ids of the checkpoint's head_vocab.json as a reduced output head (drafts);
     "auto": the size that file recommends, on CPU only (on a GPU the full head costs next to nothing),
-    and the full head for checkpoints without one or on other backends.
+    and the full head for checkpoints without one or on other backends. cuda_graphs (native only):
+    decode and verify steps replayed as CUDA graphs (specdec.models.cuda_graphs); None: on for a CUDA
+    device; never on elsewhere.
     """
     path = Path(path)
     if backend not in BACKENDS:
@@ -56,11 +59,13 @@ def load_model(
     if head_vocab == "auto":
         head_vocab = recommended_head_vocab(path) if backend == "native" and device == "cpu" else None
     if backend == "native":
+        from specdec.models.cuda_graphs import use_cuda_graphs
         from specdec.models.llama import LlamaModel
 
         return LlamaModel(
             path, device=device, dtype=dtype, num_slots=num_slots, max_context=max_context,
             kv_budget_bytes=kv_budget_bytes, name=name, head_token_ids=reduced_head(path, head_vocab),
+            cuda_graphs=use_cuda_graphs(cuda_graphs, device),
         )
     if kv_budget_bytes is not None:
         raise InvalidArgument("kv_budget_bytes is supported by the native backend only; give num_slots")
