@@ -158,7 +158,8 @@ class Bench:
             from specdec.bench.hf import HFPeers
 
             pld = c.pld_tokens or c.num_draft_tokens
-            peers = HFPeers(self.target_dir, self.draft_dir if "hf-assisted" in self.methods else None, self.eos, pld)
+            peers = HFPeers(self.target_dir, self.draft_dir if "hf-assisted" in self.methods else None, self.eos, pld,
+                            c.device, c.dtype)
             self.collected.notes["hf"] = peers.settings()
             self.runners.update({m: peers.method(m) for m in self.methods if m.startswith("hf-")})
         max_verify = max(c.num_draft_tokens, 8 if "server" in self.policies else 0) + 1
