@@ -94,6 +94,7 @@ def test_buckets(root):
     _, model = pair(tiny_dir(root, "llama"), max_context=500)
     runner = model.graphs
     assert runner.key_buckets == [256, 501]
+    assert pair(tiny_dir(root, "llama"), max_context=512)[1].graphs.key_buckets == [256, 512, 513]
     assert runner.shape_for([0, 10, 250], [1, 5, 2]) == Shape(rows=4, width=5, key_len=256)
     assert runner.shape_for([0, 10, 300], [1, 5, 2]) == Shape(rows=4, width=5, key_len=501)
     assert runner.shape_for([490], [9]) == Shape(1, 9, 501)

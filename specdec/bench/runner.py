@@ -49,6 +49,7 @@ class BenchConfig:
     backend: str = "native"
     dtype: str = "float32"
     cuda_graphs: bool | None = None  # native backend: None = on for a CUDA device (models/cuda_graphs.py)
+    max_context: int | None = None  # tokens per session, services and in process (None: the models' default)
     device: str = "cpu"
     draft_device: str | None = None  # None: the target's device
     floor: bool = False  # also measure the memory-bandwidth floor of a target step
@@ -114,6 +115,7 @@ class Bench:
         c = self.config
         return ServiceOptions(self.target_dir, self.draft_dir, c.backend, c.dtype, c.device, c.draft_device or c.device,
                               c.threads, num_slots=max(8, max(c.concurrency) + 4), cuda_graphs=c.cuda_graphs,
+                              max_context=c.max_context,
                               num_draft_tokens=c.num_draft_tokens, replay_references=self.references,
                               replay_seed=c.replay_seed, extra_env=dict(c.extra_env))
 
@@ -141,7 +143,7 @@ class Bench:
         c = self.config
         torch.set_num_threads(c.threads)
         load = lambda d, device: load_model(d, backend=c.backend, device=device, dtype=c.dtype, num_slots=2,  # noqa: E731
-                                            cuda_graphs=c.cuda_graphs)
+                                            cuda_graphs=c.cuda_graphs, max_context=c.max_context)
         self.inproc_models = {"target": load(self.target_dir, c.device)}
         target = TargetEngine(self.inproc_models["target"])
         drafts = {"ngram": DraftEngine(NgramProposer())}

@@ -70,6 +70,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--backend", choices=["native", "hf", "auto"], default="native")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--max-context", type=int,
+                        help="tokens per session in every model (default: the model's limit capped at 2048); "
+                             "byte-level random models need more for Spec-Bench's long prompts")
     parser.add_argument("--cuda-graphs", choices=["on", "off"], default=None,
                         help="native backend on CUDA: replay decode and verify steps as CUDA graphs, in the "
                              "services and in process (default: on for a CUDA device)")
@@ -117,6 +120,7 @@ def build_config(args: argparse.Namespace):
         netem_prompts=args.netem_prompts, threads=args.threads, backend=args.backend, dtype=args.dtype,
         device=args.device, draft_device=args.draft_device,
         cuda_graphs=None if args.cuda_graphs is None else args.cuda_graphs == "on", pld_tokens=args.pld_tokens,
+        max_context=args.max_context,
         timing_repeats=args.timing_repeats, seed=args.seed, log_dir=args.log_dir, replay_alphas=args.replay_alpha,
         replay_seed=args.replay_seed, ignore_eos=args.ignore_eos, floor=args.floor,
     )

@@ -7,8 +7,8 @@ floor). A CUDA graph launches the whole forward at once, but it replays fixed sh
 addresses, so this module runs the same layers as LlamaModel._forward with three changes:
 
 - shapes come from buckets: rows padded up to 1, 2, 4, 8, 16 or 32, tokens per row 1..9 (a decode,
-  up to a verify of 8 drafted tokens), keys attended padded up to a power of two (>= 256) or the whole
-  slot; a forward outside the buckets (a prefill, a long verify) runs eagerly as before;
+  up to a verify of 8 drafted tokens), keys attended padded up to a multiple of 256 or the whole slot
+  (attention and the slot gather read every padded column: finer buckets waste less at many rows); a forward outside the buckets (a prefill, a long verify) runs eagerly as before;
 - every per-forward index (tokens, positions, cache write index, slots) lives in one static device
   buffer, filled by a single host-to-device copy before the replay; rope tables and the attention mask
   are computed from it inside the graph;
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
 MAX_TOKENS_PER_ROW = 9  # a verify of 8 drafted tokens
-MIN_KEY_BUCKET = 256  # fewer shapes to capture; attending 256 zero-weight keys costs next to nothing
+KEY_BUCKET = 256  # a capture of the 8B shape takes ~0.2 s, so many buckets are cheap
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ class GraphRunner:
         self.forwards: dict[Shape, StaticForward] = {}
         self.stats = GraphStats()
         ctx = model.cache.max_context
-        self.key_buckets = [b for b in _powers_of_two(MIN_KEY_BUCKET, ctx) if b <= ctx] + [ctx + 1]
+        self.key_buckets = list(range(KEY_BUCKET, ctx + 1, KEY_BUCKET)) + [ctx + 1]
         # One memory pool for every graph: only one forward's intermediates are alive at a time.
         self.pool = torch.cuda.graph_pool_handle() if capture else None
 
@@ -180,14 +180,6 @@ class GraphRunner:
         write_index = (slot_t[:, None, None] * kv_heads + heads) * (ctx + 1) + write_pos[:, :, None]
         return torch.cat((tokens.view(-1), positions.view(-1), write_index.view(-1), slot_t,
                           torch.tensor(logit_rows, dtype=torch.long)))
-
-
-def _powers_of_two(start: int, stop: int) -> list[int]:
-    out, value = [], start
-    while value <= stop:
-        out.append(value)
-        value *= 2
-    return out
 
 
 def use_cuda_graphs(setting: bool | None, device: str | torch.device) -> bool:

@@ -301,7 +301,8 @@ def _grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     q = q.reshape(B, kv_heads, groups * T, D)
     if mask is not None:
         mask = mask[:, :, None].expand(B, 1, groups, T, L).reshape(B, 1, groups * T, L)
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask).view(B, H, T, D)
+    # reshape, not view: the memory-efficient kernel may return a transposed layout
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask).reshape(B, H, T, D)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
