@@ -16,6 +16,8 @@ class SpeculationStats:
     bonus: int = 0  # cycles where every drafted token was accepted
     decode_steps: int = 0  # plain target steps (no draft, fallback, or k = 0)
     fallbacks: int = 0  # cycles where the draft failed and plain decoding took over
+    pipeline_hits: int = 0  # pipelined cycles whose speculative block went to verification next
+    pipeline_misses: int = 0  # pipelined cycles whose speculative block was discarded
     drafted_by_position: list[int] = field(default_factory=list)  # [i]: drafts that had a token i
     accepted_by_position: list[int] = field(default_factory=list)  # [i]: ... whose token i was accepted
     draft_seconds: float = 0.0
@@ -49,12 +51,24 @@ class SpeculationStats:
         """Tokens committed per verify cycle (accepted + the recovered/bonus token)."""
         return (self.accepted + self.cycles) / self.cycles if self.cycles else 0.0
 
+    def record_pipeline(self, hit: bool) -> None:
+        if hit:
+            self.pipeline_hits += 1
+        else:
+            self.pipeline_misses += 1
+
+    @property
+    def pipeline_hit_rate(self) -> float | None:
+        """Hits / pipelined cycles; None without pipelined cycles (sequential mode)."""
+        attempts = self.pipeline_hits + self.pipeline_misses
+        return self.pipeline_hits / attempts if attempts else None
+
     def acceptance_by_position(self) -> list[float]:
         return [a / d if d else 0.0 for a, d in zip(self.accepted_by_position, self.drafted_by_position)]
 
     def merge(self, other: "SpeculationStats") -> None:
         for name in ("cycles", "drafted", "accepted", "recovered", "bonus", "decode_steps", "fallbacks",
-                     "draft_seconds", "verify_seconds", "decode_seconds"):
+                     "pipeline_hits", "pipeline_misses", "draft_seconds", "verify_seconds", "decode_seconds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.drafted_by_position, other.drafted_by_position),
                              (self.accepted_by_position, other.accepted_by_position)):
@@ -66,5 +80,6 @@ class SpeculationStats:
         out = asdict(self)
         out["acceptance_rate"] = self.acceptance_rate
         out["mean_accepted_length"] = self.mean_accepted_length
+        out["pipeline_hit_rate"] = self.pipeline_hit_rate
         out["acceptance_by_position"] = self.acceptance_by_position()
         return out
