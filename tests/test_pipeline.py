@@ -168,7 +168,7 @@ class CountingObserver(LoopObserver):
             self.misses += 1
 
 
-def run(target_path, draft: DraftEngine | None, prompt, params, pipelining: bool, max_new_tokens=40, k=4):
+def run(target_path, draft: DraftEngine | None, prompt, params, pipelining: bool, max_new_tokens=40, k=4, eos=()):
     from specdec.generation.loop import SpeculativeLoop, start_generation
 
     target = TargetEngine(model(target_path))
@@ -181,7 +181,7 @@ def run(target_path, draft: DraftEngine | None, prompt, params, pipelining: bool
     async def main():
         session_id = uuid.uuid4().hex
         cursor, first = await start_generation(LocalTarget(target), session_id, prompt, params)
-        stop = StopChecker(max_new_tokens, ())
+        stop = StopChecker(max_new_tokens, eos)
         stop.check([first])
         loop = SpeculativeLoop(LocalTarget(target), LocalDraft(draft) if draft else None,
                                LoopSettings(num_draft_tokens=k, pipelining=pipelining), observer)
@@ -207,6 +207,20 @@ def test_pipelined_greedy_equals_plain_decoding(tiny_dirs, kind):
         assert stats.pipeline_hits + stats.pipeline_misses > 0
         if kind == "same":  # a draft identical to the target guesses every bonus token
             assert stats.pipeline_misses <= 1 and stats.cycles < seq_stats.cycles + 2
+
+
+def test_a_stop_inside_a_hit_block_leaves_the_draft_on_committed_tokens(tiny_dirs):
+    """An EOS inside the block verified right after a hit: the committed sequence is cut back
+    below where the draft's speculative block started, and the draft must be cut back with it."""
+    prompt = PROMPTS[2]
+    plain, _ = run(tiny_dirs["target"], None, prompt, GREEDY, pipelining=False, max_new_tokens=40)
+    for stop_at in range(6, 20):
+        eos = plain[stop_at]
+        if eos in plain[:stop_at]:
+            continue
+        pipelined, stats = run(tiny_dirs["target"], draft_engine("same", tiny_dirs), prompt, GREEDY, True,
+                               eos=(eos,))  # run() checks what the draft holds
+        assert pipelined == plain[:stop_at + 1]
 
 
 @pytest.mark.parametrize("kind", ["same", "random"])
@@ -262,17 +276,19 @@ def test_a_wrong_guess_is_a_miss_and_never_verified(tiny_dirs):
     # Replay the cycles: a block starts after each commit, a hit when it has no wrong token and the
     # position after it (the guess) is right, a miss otherwise; every block the target saw was
     # drafted on the committed sequence, so it got exactly its scripted acceptance.
-    position, hits, misses = len(prompt) + 1, 0, 0
+    position, hits, misses, wrong_guesses, rejected_last = len(prompt) + 1, 0, 0, 0, 0
     while position < len(reference):
         remaining = len(reference) - position
         k = min(3, remaining - 1)
         speculated = remaining - (k + 1) - 1 > 0  # room for a child after a full acceptance
         rejected = next((p for p in range(position, position + k) if p in wrong), None)
-        position = rejected + 1 if rejected is not None else position + k + 1
         if speculated:
-            if rejected is None and position - 1 not in wrong:
-                hits += 1
-            else:
-                misses += 1
+            hits += rejected is None and position + k not in wrong
+            misses += rejected is not None or position + k in wrong
+            wrong_guesses += rejected is None and position + k in wrong
+            rejected_last += rejected == position + k - 1
+        position = rejected + 1 if rejected is not None else position + k + 1
     assert (stats.pipeline_hits, stats.pipeline_misses) == (hits, misses)
+    assert (stats.pipeline_wrong_guesses, stats.pipeline_rejected_last) == (wrong_guesses, rejected_last)
+    assert wrong_guesses > 0 and rejected_last > 0
     assert hits > 0 and misses > 0

@@ -39,7 +39,8 @@ def timed_proposer(name: str) -> str | None:
     return "draft-model" if name == "specdec-draft" or name.startswith(REPLAY_PREFIX) else None
 
 _SUMMED = ("cycles", "drafted", "accepted", "recovered", "bonus", "decode_steps", "fallbacks", "draft_seconds",
-           "verify_seconds", "decode_seconds", "pipeline_hits", "pipeline_misses")
+           "verify_seconds", "decode_seconds", "pipeline_hits", "pipeline_misses", "pipeline_wrong_guesses",
+           "pipeline_rejected_last")
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -87,6 +88,12 @@ def group_metrics(results: list[RequestResult], wall_s: float | None = None) -> 
             # Pipelined methods: cycles whose speculative block went straight to verification.
             "pipeline_hit_rate": (s["pipeline_hits"] / (s["pipeline_hits"] + s["pipeline_misses"])
                                   if s["pipeline_hits"] + s["pipeline_misses"] else None),
+            # Misses a multi-outcome draft could have turned into hits, as shares of pipelined cycles:
+            # a second bonus guess (block fully accepted), a branch for all-but-last accepted.
+            "pipeline_wrong_guess_rate": (s["pipeline_wrong_guesses"] / (s["pipeline_hits"] + s["pipeline_misses"])
+                                          if s["pipeline_hits"] + s["pipeline_misses"] else None),
+            "pipeline_rejected_last_rate": (s["pipeline_rejected_last"] / (s["pipeline_hits"] + s["pipeline_misses"])
+                                            if s["pipeline_hits"] + s["pipeline_misses"] else None),
             "mean_drafted_per_cycle": s["drafted"] / cycles if cycles else None,
             "drafted_by_position": drafted_pos, "accepted_by_position": accepted_pos,
             "acceptance_by_position": [a / d if d else None for a, d in zip(accepted_pos, drafted_pos)],

@@ -49,6 +49,19 @@ def is_hit(parent: Proposal, outcome: VerifyOutcome, child: Proposal | None) -> 
     )
 
 
+def miss_kind(parent: Proposal, outcome: VerifyOutcome, child: Proposal) -> str:
+    """Why a speculative child was discarded; the kinds a multi-outcome draft would aim at are
+    "wrong_guess" (a second bonus guess) and "rejected_last" (a branch for all-but-last accepted)."""
+    k = parent.block.num_tokens
+    if outcome.num_drafted < k:
+        return "trimmed"  # the loaded target verified fewer tokens than drafted
+    if outcome.num_accepted < k:
+        return "rejected_last" if outcome.num_accepted == k - 1 else "rejected"
+    if child.guessed_token_id is None:
+        return "no_guess"  # the proposer had no next token (an n-gram without a match)
+    return "wrong_guess"
+
+
 class PipelinedDrafting:
     """One generation's pipelined cycles; SpeculativeLoop calls speculate() instead of its
     sequential _speculate when LoopSettings.pipelining is on."""
@@ -90,10 +103,10 @@ class PipelinedDrafting:
                                          verified_at - drafted_at)
         if child is not None:
             hit = is_hit(proposal, outcome, child)
-            stats.record_pipeline(hit)
+            stats.record_pipeline(hit, None if hit else miss_kind(proposal, outcome, child))
             loop.observer.pipelined(hit)
             if hit:
-                self._take_child(cursor, child)
+                self._take_child(cursor, proposal, child)
             else:
                 self._drop_child(cursor, proposal, len(new_tokens))
         return new_tokens
@@ -115,12 +128,14 @@ class PipelinedDrafting:
             log.info("speculative draft failed for session %s: %s", cursor.session_id, exc)
             return None
 
-    def _take_child(self, cursor: "SessionCursor", child: Proposal) -> None:
+    def _take_child(self, cursor: "SessionCursor", parent: Proposal, child: Proposal) -> None:
         """The draft's sequence is now the committed one (ending in the guess) plus the child's
         block; the next ordinary Propose, if any, builds on the child."""
         self.ready = child
         cursor.draft_tokens = cursor.tokens + child.block.token_ids.tolist()
-        cursor.draft_committed = cursor.position
+        # Where this cycle's tokens start, not the committed length: a stop inside them cuts the
+        # committed sequence back, and the draft's known-committed prefix must stay within it.
+        cursor.draft_committed = parent.position
         cursor.draft_epoch = child.epoch
 
     @staticmethod
