@@ -41,6 +41,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--num-draft-tokens", "-k", type=int, default=4,
                         help="draft length (the starting one with --draft-length adaptive)")
     parser.add_argument("--draft-length", choices=["adaptive", "fixed"], default="adaptive")
+    parser.add_argument("--pipelining", choices=["on", "off"], default="off",
+                        help="pipelined cycles (in one process the engines take turns: same output, no gain)")
     parser.add_argument("--draft-head-vocab", type=int, default=0,
                         help="score only the draft's N most frequent tokens (0 = full vocabulary)")
     parser.add_argument("--backend", choices=["native", "hf", "auto"], default="native")
@@ -73,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
                                        device=args.device, dtype=args.dtype,
                                        num_draft_tokens=args.num_draft_tokens,
                                        adaptive=args.draft_length == "adaptive",
+                                       pipelining=args.pipelining == "on",
                                        draft_head_vocab=args.draft_head_vocab))
     prompt_ids = system.encode(args.prompt, raw=args.raw)
     stream = None if args.json else (lambda text: print(text, end="", flush=True))
@@ -110,4 +113,5 @@ def summarize(result, draft: str) -> dict:
         "mean_accepted_length": round(stats.mean_accepted_length, 3),
         "acceptance_by_position": [round(a, 3) for a in stats.acceptance_by_position()],
         "fallbacks": stats.fallbacks,
+        "pipeline_hit_rate": None if stats.pipeline_hit_rate is None else round(stats.pipeline_hit_rate, 3),
     }
