@@ -56,7 +56,7 @@ class Claims:
         turn = TurnRecord(
             turn_start=len(tokens), max_new_tokens=max_new_tokens, stop_sequences=request.stop_sequences,
             ignore_eos=request.ignore_eos, owner=owner, messages=messages, speculate=speculate,
-            num_draft_tokens=request.speculation.num_draft_tokens,
+            num_draft_tokens=request.speculation.num_draft_tokens, pipelined=request.speculation.pipelined,
         )
         record = SessionRecord(
             prompt_length=len(tokens), sampling=request.sampling, pool=pool.value, draft_replica=draft or "",
@@ -86,6 +86,7 @@ class Claims:
             turn_start=len(tokens) + len(appended), max_new_tokens=max_new_tokens,
             stop_sequences=request.stop_sequences, ignore_eos=request.ignore_eos, owner=uuid.uuid4().hex,
             messages=messages, speculate=previous.speculate, num_draft_tokens=previous.num_draft_tokens,
+            pipelined=previous.pipelined,
             draft_position=previous.draft_position if draft == record.draft_replica else None,
         )
         fields = {"status": SessionStatus.ACTIVE, "turns": record.turns + 1, "extra": turn.to_extra(),

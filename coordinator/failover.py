@@ -190,9 +190,11 @@ class SessionDraft:
                 self.on_moved(endpoint)
         await self._call(lambda c: c.start_session(session_id, token_ids, params))
 
-    async def propose(self, session_id, keep_position, append_token_ids, num_draft_tokens, parent_epoch=0):
+    async def propose(self, session_id, keep_position, append_token_ids, num_draft_tokens, parent_epoch=0,
+                      speculative=False):
         return await self._call(
-            lambda c: c.propose(session_id, keep_position, append_token_ids, num_draft_tokens, parent_epoch)
+            lambda c: c.propose(session_id, keep_position, append_token_ids, num_draft_tokens, parent_epoch,
+                                speculative)
         )
 
     async def truncate(self, session_id: str, position: int) -> int:

@@ -85,7 +85,7 @@ def build(settings: CoordinatorSettings, *, tracer_provider=None, registry=None,
         default_pool=settings.default_pool, owner_lease_s=settings.owner_lease_s,
         turn=TurnSettings(settings.num_draft_tokens, settings.retry_draft_after, settings.owner_lease_s / 3,
                           settings.failover_timeout_s, settings.adaptive_draft_length,
-                          settings.limits.max_draft_tokens),
+                          settings.limits.max_draft_tokens, settings.pipelining),
     )
     sessions = SessionManager(store, router, prompts, telemetry, settings.limits, config, status_name)
     canary = None

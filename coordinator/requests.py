@@ -28,7 +28,7 @@ class Pool(str, enum.Enum):
 class SpeculationOptions:
     enabled: bool | None = None  # None: the pool decides (a draft in the speculative pool)
     num_draft_tokens: int = 0  # 0: the server default
-    pipelined: bool | None = None  # accepted for the protocol; sequential cycles are what runs now
+    pipelined: bool | None = None  # draft the next block during verification; None: the server default
 
 
 @dataclass(frozen=True)

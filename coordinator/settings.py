@@ -44,6 +44,7 @@ class CoordinatorSettings:
     num_draft_tokens: int = 4
     adaptive_draft_length: bool = True
     retry_draft_after: int = 8
+    pipelining: bool = False  # draft the next block while the target verifies (requests may override)
     limits: Limits = Limits()
     session_ttl_s: float = 3600.0
     owner_lease_s: float = 10.0
@@ -97,6 +98,10 @@ def add_arguments(parser: argparse.ArgumentParser, environ=os.environ) -> None:
                    help="adaptive: per session, from measured acceptance and costs (requests naming "
                         "num_draft_tokens get that fixed length); fixed: --num-draft-tokens")
     g.add_argument("--max-draft-tokens", type=int, default=16, help="largest draft length a request may ask for")
+    g.add_argument("--pipelining", choices=["on", "off"], default="off",
+                   help="on: the draft drafts the next block while the target verifies the current one "
+                        "(hides the draft's time on a hit; lossless either way); off: sequential cycles. "
+                        "A request's speculation.pipelined overrides it")
     g.add_argument("--retry-draft-after", type=int, default=8,
                    help="plain decoding steps after a draft failure before speculation is tried again")
     g.add_argument("--max-new-tokens", type=int, default=256, help="a turn's budget when the request sets none")
@@ -127,7 +132,7 @@ def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
         tokenizer=args.tokenizer, redis_url=args.redis_url, targets=tuple(args.target), drafts=tuple(args.draft),
         redis_prefix=args.redis_prefix, default_pool=Pool(args.default_pool),
         num_draft_tokens=args.num_draft_tokens, adaptive_draft_length=args.draft_length == "adaptive",
-        retry_draft_after=args.retry_draft_after,
+        retry_draft_after=args.retry_draft_after, pipelining=args.pipelining == "on",
         limits=Limits(args.max_new_tokens, args.max_new_tokens_limit, args.max_draft_tokens),
         session_ttl_s=args.session_ttl, owner_lease_s=args.owner_lease, failover_timeout_s=args.failover_timeout,
         redis_timeout_s=args.redis_timeout,

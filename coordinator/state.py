@@ -40,6 +40,7 @@ class TurnRecord:
     messages: list[dict] | None = None
     speculate: bool = True  # the session uses a draft (its SpeculationOptions.enabled)
     num_draft_tokens: int = 0  # the session's fixed draft length; 0: the server default
+    pipelined: bool | None = None  # the session's SpeculationOptions.pipelined; None: the server default
     # The draft replica's committed length after a cleanly ended turn (it holds exactly the first
     # draft_position committed tokens); None when unknown, and the draft session is reopened.
     draft_position: int | None = None

@@ -133,6 +133,11 @@ class TurnObserver(LoopObserver):
         self.telemetry.metrics.observe_cycle(self.pool, self.proposer, outcome.num_drafted, outcome.num_accepted)
         self._pending += SessionStats.for_cycle(outcome.num_drafted, outcome.num_accepted)
 
+    def pipelined(self, hit: bool) -> None:
+        trace.get_current_span().set_attribute(spans.SPECDEC_PIPELINE_HIT, hit)
+        counter = self.telemetry.metrics.pipeline_hits if hit else self.telemetry.metrics.pipeline_misses
+        counter.labels(self.pool, self.proposer).inc()
+
     def fell_back(self, error: Exception) -> None:
         self.telemetry.metrics.fallbacks.labels(self.pool, self.proposer, fallback_reason(error)).inc()
         self._pending += SessionStats(fallbacks=1)

@@ -67,6 +67,7 @@ class TurnSettings:
     failover_timeout_s: float = 30.0
     adaptive: bool = True  # a request naming no draft length gets an adaptive one
     max_adaptive_tokens: int = 8
+    pipelining: bool = False  # a request not naming speculation.pipelined gets this (--pipelining)
 
 
 @dataclass(frozen=True)
@@ -187,8 +188,10 @@ class Turn:
                 return GenerationResult([first], reason, SpeculationStats())
         fixed = plan.turn.num_draft_tokens
         adaptive = not fixed and self.settings.adaptive
+        pipelining = self.settings.pipelining if plan.turn.pipelined is None else plan.turn.pipelined
         loop_settings = LoopSettings(fixed or self.settings.num_draft_tokens, self.settings.retry_draft_after,
-                                     adaptive=adaptive, max_draft_tokens=self.settings.max_adaptive_tokens)
+                                     adaptive=adaptive, max_draft_tokens=self.settings.max_adaptive_tokens,
+                                     pipelining=pipelining)
         loop = SpeculativeLoop(self.target, self.draft, loop_settings, self.observer)
         return await loop.run(self.cursor, self.stop, self._emit)
 

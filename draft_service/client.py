@@ -73,15 +73,17 @@ class DraftClient(ServiceClient):
         append_token_ids: Sequence[int],
         num_draft_tokens: int,
         parent_epoch: int = 0,
+        speculative: bool = False,
     ) -> Proposal:
         request = draft_pb2.DraftServiceProposeRequest(
             session_id=session_id, parent_epoch=parent_epoch, keep_position=keep_position,
-            append_token_ids=list(append_token_ids), num_draft_tokens=num_draft_tokens,
+            append_token_ids=list(append_token_ids), num_draft_tokens=num_draft_tokens, speculative=speculative,
         )
         response = await self._call(self._stub.Propose, request, session_id, keep_position, parent_epoch)
         rows = response.draft_distributions if response.HasField("draft_distributions") else None
         block = unpack_distributions(rows, response.draft_token_ids)
-        return Proposal(response.epoch, response.position, block, response.proposer)
+        guess = response.guessed_token_id if response.HasField("guessed_token_id") else None
+        return Proposal(response.epoch, response.position, block, response.proposer, response.speculative, guess)
 
     async def describe(self) -> DraftDescription:
         response = await self._call(self._stub.GetInfo, draft_pb2.DraftServiceGetInfoRequest())

@@ -11,10 +11,10 @@ Continuous batching: Propose calls of concurrent sessions go through a Batcher, 
 queued as one batched step (specdec.engine.draft_batch: each accept/rollback applied on its own, then
 step t of every proposal drafted in one forward); a call that arrives during a step joins the next.
 
-Pipelining: this build drafts sequentially. A proposal's parent is the session's latest epoch, the
-only live one; `speculative=true` (draft the next block while the parent is being verified) is
-refused with UNIMPLEMENTED "pipelined drafting is not enabled in this build" until the engine grows
-speculative branches (a later issue), so guessed_token_id is never set.
+Pipelining: `speculative=true` drafts the next block while the parent is being verified (the
+engine's live proposal chain, specdec.engine.branches): the response carries guessed_token_id, the
+draft's guess of the target's next token, unless the proposer had none (then the block is empty).
+Speculative work joins the same batched step as sequential work.
 """
 
 from __future__ import annotations
@@ -47,9 +47,6 @@ from specdec.server.service import BatchSettings
 from specdec.server.model_servicer import SPECDEC_SESSION_ID, EngineServicer, annotate, check_session_id
 
 DRAFT_SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
-PIPELINING_DISABLED = (
-    "pipelined drafting is not enabled in this build: send speculative=false (sequential drafting)"
-)
 
 
 @dataclass(frozen=True)
@@ -131,9 +128,8 @@ class DraftServicer(EngineServicer, draft_pb2_grpc.DraftServiceServicer):
     async def Propose(self, request, context):
         check_session_id(request.session_id)
         annotate(**{SPECDEC_SESSION_ID: request.session_id, "specdec.parent_epoch": request.parent_epoch,
-                    "specdec.keep_position": request.keep_position})
-        if request.speculative:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, PIPELINING_DISABLED)
+                    "specdec.keep_position": request.keep_position,
+                    "specdec.speculative": request.speculative})
         k = request.num_draft_tokens
         if k < 0 or k > self.engine.max_draft_tokens:
             raise InvalidArgument(
@@ -145,20 +141,25 @@ class DraftServicer(EngineServicer, draft_pb2_grpc.DraftServiceServicer):
         self._check_tokens(appended, request.keep_position, "append_token_ids")
         started = time.perf_counter()
         result = await self.batcher.submit(
-            ProposeWork(request.session_id, request.keep_position, tuple(appended), k, request.parent_epoch)
+            ProposeWork(request.session_id, request.keep_position, tuple(appended), k, request.parent_epoch,
+                        request.speculative)
         )
         if isinstance(result, _Mismatch):
             trailing = ((ACTUAL_POSITION_KEY, str(result.length)), (LATEST_EPOCH_KEY, str(result.latest_epoch)))
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(result.error), trailing)
         num_drafted = result.block.num_tokens
-        self.metrics.step_latency.labels(self.proposer, "propose").observe(time.perf_counter() - started)
+        step = "propose_speculative" if request.speculative else "propose"
+        self.metrics.step_latency.labels(self.proposer, step).observe(time.perf_counter() - started)
         self.metrics.proposed_tokens.labels(self.proposer).inc(num_drafted)
         annotate(**{SPECDEC_POSITION: result.position, SPECDEC_NUM_DRAFT_TOKENS: num_drafted,
                     "specdec.epoch": result.epoch})
         response = draft_pb2.DraftServiceProposeResponse(
             epoch=result.epoch, parent_epoch=request.parent_epoch, position=result.position,
-            draft_token_ids=result.block.token_ids.tolist(), proposer=result.proposer, speculative=False,
+            draft_token_ids=result.block.token_ids.tolist(), proposer=result.proposer,
+            speculative=result.speculative,
         )
+        if result.guessed_token_id is not None:
+            response.guessed_token_id = result.guessed_token_id
         if result.block.draft_probs is not None:
             response.draft_distributions.CopyFrom(pack_distributions(result.block))
         return response

@@ -68,6 +68,7 @@ def build_request(
     pool: str | None = None,
     speculate: bool | None = None,
     num_draft_tokens: int = 0,
+    pipelined: bool | None = None,
 ) -> coordinator_pb2.CoordinatorServiceGenerateRequest:
     request = coordinator_pb2.CoordinatorServiceGenerateRequest(
         raw=raw, stop_sequences=list(stop), ignore_eos=ignore_eos, pool=_POOLS[pool],
@@ -90,6 +91,8 @@ def build_request(
     if speculate is not None:
         request.speculation.enabled = speculate
     request.speculation.num_draft_tokens = num_draft_tokens
+    if pipelined is not None:
+        request.speculation.pipelined = pipelined
     return request
 
 

@@ -34,9 +34,10 @@ class PositionMismatch(SpecDecError):
     Carrying the actual position lets a caller that lost a message resynchronise instead of guessing.
     """
 
-    def __init__(self, session_id: str, expected: int, actual: int):
+    def __init__(self, session_id: str, expected: int, actual: int, detail: str = ""):
         super().__init__(
             f"session {session_id!r} is at position {actual}, the request expected {expected}"
+            + (f" ({detail})" if detail else "")
         )
         self.session_id = session_id
         self.expected = expected
@@ -56,13 +57,15 @@ class ContextOverflow(InvalidArgument):
 
 
 class EpochMismatch(SpecDecError):
-    """A Propose named a parent epoch that is not the session's latest proposal (maps to
-    FAILED_PRECONDITION): a stale or reordered accept/rollback message."""
+    """A Propose named a parent epoch that is not a live proposal of the session (maps to
+    FAILED_PRECONDITION): a stale or reordered accept/rollback message, or one building on a
+    speculative proposal that a later message discarded."""
 
-    def __init__(self, session_id: str, expected: int, actual: int):
+    def __init__(self, session_id: str, expected: int, actual: int, live: list[int] | None = None):
+        live_text = f" (live: {live})" if live is not None and live != [actual] else ""
         super().__init__(
-            f"session {session_id!r}: the latest proposal is epoch {actual}, the request confirms "
-            f"epoch {expected}"
+            f"session {session_id!r}: the latest proposal is epoch {actual}{live_text}, the request "
+            f"builds on epoch {expected}, which is not live"
         )
         self.session_id = session_id
         self.expected = expected

@@ -49,8 +49,6 @@ def test_bench_runs_end_to_end_and_writes_the_report_and_the_plot(models, tmp_pa
         assert key in meta, key
     assert meta["prompts"]["count"] == 2 and meta["code"]["commit"]
     assert meta["models"]["target"]["parameters"] > 0
-    assert report["methods"]["specdec-draft-pipelined"]["status"] == "skipped"
-    assert "not built" in report["methods"]["specdec-ngram-pipelined"]["why"]
     overall = report["batch1"]["overall"]
     assert set(overall) >= {"plain", "plain-inproc", "hf-greedy", "hf-assisted", "hf-pld", "specdec-ngram",
                             "specdec-draft"}
@@ -62,6 +60,10 @@ def test_bench_runs_end_to_end_and_writes_the_report_and_the_plot(models, tmp_pa
         assert m["lossless_fraction"] == 1.0, name  # greedy, fp32: token for token
     for name in ("specdec-ngram", "specdec-draft"):
         assert {"ideal", "efficiency", "cost_ratio_c"} <= set(overall[name])
+        assert overall[name]["pipeline_hit_rate"] is None  # sequential cycles
+    for name in ("specdec-ngram-pipelined", "specdec-draft-pipelined"):
+        assert overall[name]["lossless_fraction"] == 1.0, name
+        assert 0.0 <= overall[name]["pipeline_hit_rate"] <= 1.0, name
     assert set(report["batch1"]["by_category"]) == {"qa", "writing"}
     assert {"t_step", "t_verify", "t_draft"} <= set(overall["_step_times"])
     assert report["concurrency"]["2"]["plain"]["requests"] == 2
@@ -186,11 +188,17 @@ def test_delay_proxy_relays_bytes_and_holds_them(tmp_path):
 
 
 def test_method_choice_reports_what_is_not_built_or_lacks_a_draft():
-    from specdec.bench.methods import base_name, choose_methods, is_service, proposer_of
+    from specdec.bench.methods import base_name, choose_methods, is_pipelined, is_service, proposer_of
 
     run, skipped = choose_methods(None, have_draft=False)
     assert "specdec-ngram" in run and "specdec-draft" not in run and "hf-assisted" not in run
-    assert "not built" in skipped["specdec-ngram-pipelined"] and "draft" in skipped["specdec-draft"]
+    assert "specdec-ngram-pipelined" in run and "draft" in skipped["specdec-draft-pipelined"]
+    assert "draft" in skipped["specdec-draft"]
+    assert proposer_of("specdec-ngram-pipelined") == "ngram" and is_pipelined("specdec-ngram-pipelined@server")
+    assert not is_pipelined("specdec-ngram")
+    run, _ = choose_methods(["specdec-replay-pipelined"], have_draft=True, replay_alphas=(0.8,))
+    assert run == ["specdec-replay-0.8", "specdec-replay-0.8-pipelined"]
+    assert proposer_of("specdec-replay-0.8-pipelined") == "replay-0.8"
     run, _ = choose_methods(["plain", "specdec-draft"], have_draft=True, replay_alphas=(0.8,))
     assert run == ["plain", "specdec-draft", "specdec-replay-0.8"]
     assert proposer_of("specdec-replay-0.8") == "replay-0.8" and proposer_of("specdec-draft@server") == "draft-model"

@@ -417,3 +417,39 @@ def _json_objects(text: str) -> list[dict]:
         objects.append(obj)
         i = end
     return [o for o in objects if isinstance(o, dict) and "context" in o]
+
+
+@pytest.mark.parametrize("draft", ["same", "ngram"])
+async def test_pipelined_cycles_equal_plain_decoding_and_report_hits(redis_url, dirs, services, reference, draft):
+    """--pipelining on: the same tokens as plain decoding, greedy and Gumbel-coupled; hits and
+    misses in the turn's stats, on the cycle spans and in the metrics; a request may turn it off."""
+    n = 24
+    gumbel = common_pb2.SamplingParams(temperature=1.0, top_p=0.9, seed=7, mode=common_pb2.SAMPLING_MODE_GUMBEL)
+    async with coordinator(redis_url, dirs, services, draft, pipelining=True) as c:
+        for prompt in PROMPTS:
+            prompt_ids = reference.prompt_ids(prompt)
+            messages = await c.generate(prompt=prompt, max_new_tokens=n)
+            assert tokens_of(messages) == expected(reference, prompt_ids, n)
+            stats = messages[-1].stats
+            assert stats.fallbacks == 0 and stats.pipeline_hits + stats.pipeline_misses > 0
+            if draft == "same":  # an identical greedy draft guesses every bonus token
+                assert stats.pipeline_misses == 0 and stats.pipeline_hits >= stats.cycles - 2
+        sequential = await c.generate(prompt=PROMPTS[0], max_new_tokens=n, speculation={"pipelined": False})
+        assert tokens_of(sequential) == expected(reference, reference.prompt_ids(PROMPTS[0]), n)
+        assert sequential[-1].stats.pipeline_hits == sequential[-1].stats.pipeline_misses == 0
+        sampled = await c.generate(prompt=PROMPTS[0], max_new_tokens=16, sampling=gumbel)
+        plain = await c.generate(prompt=PROMPTS[0], max_new_tokens=16, sampling=gumbel, pool=pb.POOL_BASELINE)
+        assert tokens_of(sampled) == tokens_of(plain)
+        spans = c.exporter.get_finished_spans()
+        text = urllib.request.urlopen(f"http://127.0.0.1:{c.host.metrics_port}/metrics", timeout=5).read().decode()
+    marked = [s.attributes["specdec.pipeline_hit"] for s in spans
+              if s.name == "specdec.cycle" and "specdec.pipeline_hit" in s.attributes]
+    assert marked and (True in marked or draft != "same")
+    assert any(s.name == "specdec.propose_speculative" for s in spans)
+    proposer = "draft-model" if draft == "same" else "ngram"
+    hits = re.search(rf'specdec_coordinator_pipeline_hits_total{{pool="speculative",proposer="{proposer}"}} (\S+)',
+                     text)
+    misses = re.search(rf'specdec_coordinator_pipeline_misses_total{{pool="speculative",proposer="{proposer}"}} '
+                       r'(\S+)', text)
+    counted = (float(hits.group(1)) if hits else 0.0) + (float(misses.group(1)) if misses else 0.0)
+    assert counted == len(marked)

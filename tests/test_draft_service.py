@@ -87,7 +87,7 @@ def plain(local_target):
     return tokens
 
 
-async def run_generation(target, draft, prompt, params, max_new_tokens=30, k=4):
+async def run_generation(target, draft, prompt, params, max_new_tokens=30, k=4, pipelining=False):
     emitted: list[int] = []
 
     async def emit(tokens):
@@ -95,7 +95,7 @@ async def run_generation(target, draft, prompt, params, max_new_tokens=30, k=4):
 
     session_id = uuid.uuid4().hex
     result = await generate(target, draft, session_id, prompt, params, StopChecker(max_new_tokens, ()), emit,
-                            LoopSettings(num_draft_tokens=k))
+                            LoopSettings(num_draft_tokens=k, pipelining=pipelining))
     assert emitted == result.token_ids
     await target.end_session(session_id)
     if draft is not None:
@@ -203,16 +203,56 @@ async def test_propose_mismatch_reports_length_and_latest_epoch(services):
             assert await draft.end_session(session_id)
 
 
-async def test_speculative_proposals_are_not_enabled(services):
+async def test_speculative_proposals_over_grpc(services):
+    """speculative=true: the guess and the block after it, the refusals (INVALID_ARGUMENT for a
+    malformed speculative request, FAILED_PRECONDITION for a discarded parent) and a miss that
+    rolls the draft back to its parent's outcome."""
+    prompt = PROMPTS[0]
     async with connect_draft(services["random"].address, PLAIN) as draft:
-        await draft.start_session("spec", PROMPTS[0], GREEDY)
-        first = await draft.propose("spec", len(PROMPTS[0]), [], 2)
+        await draft.start_session("spec", prompt, GREEDY)
+        await draft.start_session("seq", prompt, GREEDY)
+        first = await draft.propose("spec", len(prompt), [], 2)
+        end = len(prompt) + 2
         stub = draft_pb2_grpc.DraftServiceStub(draft.channel)
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            await stub.Propose(draft_pb2.DraftServiceProposeRequest(
-                session_id="spec", parent_epoch=first.epoch, keep_position=len(PROMPTS[0]) + 2, speculative=True))
-        assert err.value.code() == Code.UNIMPLEMENTED and "pipelined drafting is not enabled" in err.value.details()
-        await draft.end_session("spec")
+        response = await stub.Propose(draft_pb2.DraftServiceProposeRequest(
+            session_id="spec", parent_epoch=first.epoch, keep_position=end, num_draft_tokens=3, speculative=True))
+        assert response.speculative and response.HasField("guessed_token_id")
+        assert (response.epoch, response.parent_epoch, response.position) == (2, 1, end + 1)
+        # The same block as a sequential Propose after committing the guess.
+        await draft.propose("seq", len(prompt), [], 2)
+        sequential = await draft.propose("seq", end, [response.guessed_token_id], 3, parent_epoch=1)
+        assert list(response.draft_token_ids) == sequential.block.token_ids.tolist()
+        for keep, appended, message in ((end - 1, [], "keep_position must be"), (end, [5], "appends no tokens")):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Propose(draft_pb2.DraftServiceProposeRequest(
+                    session_id="spec", parent_epoch=first.epoch, keep_position=keep, append_token_ids=appended,
+                    speculative=True))
+            assert err.value.code() == Code.INVALID_ARGUMENT and message in err.value.details()
+        # A miss: the parent's outcome (1 accepted, then a recovered token) discards the child.
+        recovered = (first.block.token_ids[1].item() + 1) % 256
+        redraft = await draft.propose("spec", len(prompt) + 1, [recovered], 3, parent_epoch=first.epoch)
+        assert (redraft.epoch, redraft.position) == (3, len(prompt) + 2)
+        with pytest.raises(errors.EpochMismatch):  # the discarded child is not live any more
+            await draft.propose("spec", end + 1, [], 3, parent_epoch=response.epoch)
+        assert await draft.truncate("spec", 1000) == len(prompt) + 2 + 3  # intact after the refusal
+        for session_id in ("spec", "seq"):
+            await draft.end_session(session_id)
+
+
+@pytest.mark.parametrize("kind", ["same", "random", "ngram"])
+async def test_pipelined_generation_over_grpc_equals_plain_decoding(services, plain, kind):
+    target, draft = clients(services, kind)
+    async with target, draft:
+        for prompt in PROMPTS[:2]:
+            result = await run_generation(target, draft, prompt, GREEDY, pipelining=True)
+            assert result.token_ids == await plain(prompt, GREEDY)
+            stats = result.stats
+            assert stats.fallbacks == 0 and stats.pipeline_hits + stats.pipeline_misses > 0
+            if kind == "same":  # an identical greedy draft guesses every bonus token
+                assert stats.pipeline_misses <= 1 and stats.pipeline_hits >= stats.cycles - 2
+        gumbel = SamplingParams(temperature=0.8, seed=5, mode=SamplingMode.GUMBEL)
+        result = await run_generation(target, draft, PROMPTS[1], gumbel, pipelining=True)
+        assert result.token_ids == await plain(PROMPTS[1], gumbel)
 
 
 # ---- bad input -----------------------------------------------------------------------------------

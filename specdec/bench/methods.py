@@ -26,11 +26,12 @@ CATALOG: dict[str, str] = {
     "specdec-ngram-pipelined": "this system distributed, n-gram proposer, pipelined cycles",
     "specdec-draft-pipelined": "this system distributed, draft model, pipelined cycles",
 }
-NOT_BUILT = {"specdec-ngram-pipelined": "not built: pipelined cycles do not exist yet",
-             "specdec-draft-pipelined": "not built: pipelined cycles do not exist yet"}
+NOT_BUILT: dict[str, str] = {}
 NEEDS_DRAFT = ("hf-assisted", "specdec-draft", "specdec-draft-pipelined")
-SERVICE_METHODS = ("plain", "specdec-ngram", "specdec-draft")
-SPECULATIVE = ("hf-assisted", "hf-pld", "specdec-ngram", "specdec-draft")
+SERVICE_METHODS = ("plain", "specdec-ngram", "specdec-draft", "specdec-ngram-pipelined", "specdec-draft-pipelined")
+SPECULATIVE = ("hf-assisted", "hf-pld", "specdec-ngram", "specdec-draft", "specdec-ngram-pipelined",
+               "specdec-draft-pipelined")
+PIPELINED_SUFFIX = "-pipelined"  # the same coordinator as the sequential method; requests ask to pipeline
 REPLAY_PREFIX = "specdec-replay-"  # + alpha: the draft model's passes, the target's token with probability alpha
 
 
@@ -49,13 +50,17 @@ def is_service(name: str) -> bool:
     return base_name(name) in SERVICE_METHODS or name.startswith(REPLAY_PREFIX)
 
 
+def is_pipelined(name: str) -> bool:
+    return base_name(name).endswith(PIPELINED_SUFFIX)
+
+
 def is_speculative(name: str) -> bool:
     return base_name(name) in SPECULATIVE or name.startswith(REPLAY_PREFIX)
 
 
 def proposer_of(name: str) -> str | None:
     """The proposer a service method's coordinator drafts with (draft service name)."""
-    name = base_name(name)
+    name = base_name(name).removesuffix(PIPELINED_SUFFIX)
     if name.startswith(REPLAY_PREFIX):
         return "replay-" + name[len(REPLAY_PREFIX):]
     return {"specdec-ngram": "ngram", "specdec-draft": "draft-model"}.get(name)
@@ -108,11 +113,13 @@ class Method(Protocol):
 class ServiceMethod:
     """A request to a coordinator, streamed through the client library, as a backend sends it."""
 
-    def __init__(self, name: str, address: str, pool: str | None, num_draft_tokens: int, ignore_eos: bool = False):
+    def __init__(self, name: str, address: str, pool: str | None, num_draft_tokens: int, ignore_eos: bool = False,
+                 pipelined: bool | None = None):
         from specdec.client import AsyncClient
 
         self.name, self.address, self.pool, self.num_draft_tokens = name, address, pool, num_draft_tokens
         self.ignore_eos = ignore_eos
+        self.pipelined = pipelined  # None: the coordinator's default (the baseline pool)
         self.client = AsyncClient(address, plaintext=True)
 
     async def run(self, prompt: Prompt, prompt_ids: list[int], max_new_tokens: int) -> RequestResult:
@@ -122,7 +129,7 @@ class ServiceMethod:
         started = time.perf_counter()
         async for chunk in self.client.stream(prompt.text, max_new_tokens=max_new_tokens, temperature=0.0,
                                               pool=self.pool, num_draft_tokens=self.num_draft_tokens,
-                                              ignore_eos=self.ignore_eos):
+                                              ignore_eos=self.ignore_eos, pipelined=self.pipelined):
             if chunk.token_ids and first_at is None:
                 first_at = time.perf_counter()
             tokens += chunk.token_ids
@@ -182,7 +189,9 @@ def choose_methods(requested: list[str] | None, have_draft: bool,
     (one per alpha) come after the catalog's."""
     names = list(requested) if requested else list(CATALOG)
     replays = [replay_method(a) for a in replay_alphas]
-    names = [n for n in names if n != "specdec-replay"]
+    if "specdec-replay-pipelined" in names:  # a pipelined twin of every replay method
+        replays += [r + PIPELINED_SUFFIX for r in replays]
+    names = [n for n in names if n not in ("specdec-replay", "specdec-replay-pipelined")]
     unknown = [n for n in names if n not in CATALOG]
     if unknown:
         raise ValueError(f"unknown methods {unknown}; known: {', '.join(CATALOG)}")

@@ -100,7 +100,7 @@ def tables(report: dict) -> str:
     lines = []
     overall = report["batch1"]["overall"]
     lines.append(f"{'method':<20} {'tok/s':>7} {'speedup':>7} {'TTFT':>7} {'TPOT p50/p99 ms':>16} {'alpha':>6} "
-                 f"{'len':>5} {'ideal':>6} {'eff':>5} {'eff mix':>7} {'lossless':>8}")
+                 f"{'len':>5} {'ideal':>6} {'eff':>5} {'eff mix':>7} {'lossless':>8} {'pipe hit':>8}")
     for name, m in overall.items():
         if name.startswith("_"):
             continue
@@ -109,7 +109,8 @@ def tables(report: dict) -> str:
                      f"{_f(m['ttft_p50_s'], '{:.0f}', 1e3):>5}ms {tpot:>16} {_f(m.get('alpha')):>6} "
                      f"{_f(m.get('mean_accepted_length')):>5} {_f(m.get('ideal')):>6} {_f(m.get('efficiency')):>5} "
                      f"{_f(m.get('efficiency_cycle_mix')):>7} "
-                     f"{_f(m.get('lossless_fraction'), '{:.0%}', 1):>8}")
+                     f"{_f(m.get('lossless_fraction'), '{:.0%}', 1):>8} "
+                     f"{_f(m.get('pipeline_hit_rate'), '{:.0%}', 1):>8}")
     speculative = [n for n in overall if is_speculative(n) and overall[n].get("speedup") is not None]
     if speculative:
         lines.append("")
@@ -134,6 +135,8 @@ def tables(report: dict) -> str:
             added = table["_network"].get("added_round_trip_ms")
             row = ", ".join(f"{n} {_f(m['tokens_per_s'], '{:.1f}')} tok/s"
                             + (f" ({_f(m.get('speedup'))}x)" if m.get("speedup") else "")
+                            + (f" hit {_f(m['pipeline_hit_rate'], '{:.0%}', 1)}" if m.get("pipeline_hit_rate")
+                               is not None else "")
                             for n, m in table.items() if not n.startswith("_"))
             lines.append(f"  {level} ms each way" + (f" (measured +{added:.2f} ms per round trip)" if added is not None
                                                      else "") + f": {row}")

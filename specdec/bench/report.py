@@ -23,7 +23,8 @@ from typing import Iterable
 
 import numpy as np
 
-from specdec.bench.methods import (DEFAULT_REFERENCE, REFERENCE, REPLAY_PREFIX, SERVER_POLICY, RequestResult,
+from specdec.bench.methods import (DEFAULT_REFERENCE, PIPELINED_SUFFIX, REFERENCE, REPLAY_PREFIX, SERVER_POLICY,
+                                   RequestResult,
                                    base_name, is_service, is_speculative)
 from specdec.bench.timing import StepTimes, summarize
 from specdec.generation.equality import compare_outputs
@@ -32,13 +33,14 @@ from specdec.generation.equality import compare_outputs
 
 def timed_proposer(name: str) -> str | None:
     """Which engine timing (timing.py) gives a method's draft step: replay runs the draft model's passes."""
-    name = base_name(name)
+    name = base_name(name).removesuffix(PIPELINED_SUFFIX)
     if name == "specdec-ngram":
         return "ngram"
     return "draft-model" if name == "specdec-draft" or name.startswith(REPLAY_PREFIX) else None
 
 _SUMMED = ("cycles", "drafted", "accepted", "recovered", "bonus", "decode_steps", "fallbacks", "draft_seconds",
-           "verify_seconds", "decode_seconds")
+           "verify_seconds", "decode_seconds", "pipeline_hits", "pipeline_misses", "pipeline_wrong_guesses",
+           "pipeline_rejected_last")
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -83,6 +85,15 @@ def group_metrics(results: list[RequestResult], wall_s: float | None = None) -> 
                       if s["accepted"] + s["recovered"] and any("recovered" in x or "bonus" in x for x in stats)
                       else None),
             "mean_accepted_length": (s["accepted"] + cycles) / cycles if cycles else None,
+            # Pipelined methods: cycles whose speculative block went straight to verification.
+            "pipeline_hit_rate": (s["pipeline_hits"] / (s["pipeline_hits"] + s["pipeline_misses"])
+                                  if s["pipeline_hits"] + s["pipeline_misses"] else None),
+            # Misses a multi-outcome draft could have turned into hits, as shares of pipelined cycles:
+            # a second bonus guess (block fully accepted), a branch for all-but-last accepted.
+            "pipeline_wrong_guess_rate": (s["pipeline_wrong_guesses"] / (s["pipeline_hits"] + s["pipeline_misses"])
+                                          if s["pipeline_hits"] + s["pipeline_misses"] else None),
+            "pipeline_rejected_last_rate": (s["pipeline_rejected_last"] / (s["pipeline_hits"] + s["pipeline_misses"])
+                                            if s["pipeline_hits"] + s["pipeline_misses"] else None),
             "mean_drafted_per_cycle": s["drafted"] / cycles if cycles else None,
             "drafted_by_position": drafted_pos, "accepted_by_position": accepted_pos,
             "acceptance_by_position": [a / d if d else None for a, d in zip(accepted_pos, drafted_pos)],

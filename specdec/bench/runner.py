@@ -17,7 +17,7 @@ from pathlib import Path
 
 from specdec.bench import meta, phases
 from specdec.bench.methods import (CATALOG, REPLAY_PREFIX, SERVER_POLICY, InProcessPlain, RequestResult,
-                                   ServiceMethod, choose_methods, is_service, proposer_of)
+                                   ServiceMethod, choose_methods, is_pipelined, is_service, proposer_of)
 from specdec.bench.prompts import load_prompts, select_prompts
 from specdec.bench.services import Deployment, ServiceOptions
 from specdec.bench.timing import EngineTimer, StepTimes
@@ -128,7 +128,8 @@ class Bench:
             if name == "plain":
                 out[name] = ServiceMethod(name, coordinators["baseline"], "baseline", 0, c.ignore_eos)
             elif is_service(name):
-                out[name] = ServiceMethod(name, coordinators[proposer_of(name)], None, k, c.ignore_eos)
+                out[name] = ServiceMethod(name, coordinators[proposer_of(name)], None, k, c.ignore_eos,
+                                          pipelined=is_pipelined(name))
         return out
 
     def in_process(self) -> EngineTimer:

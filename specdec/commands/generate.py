@@ -42,6 +42,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--num-draft-tokens", "-k", type=int, default=4,
                         help="draft length (the starting one with --draft-length adaptive)")
     parser.add_argument("--draft-length", choices=["adaptive", "fixed"], default="adaptive")
+    parser.add_argument("--pipelining", choices=["on", "off"], default="off",
+                        help="pipelined cycles (in one process the engines take turns: same output, no gain)")
     parser.add_argument("--draft-head-vocab", type=parse_head_vocab, default="auto",
                         help="score only the draft's N most frequent tokens and the session's own context "
                              "tokens ('auto': the draft's recommendation on CPU; 'full' or 0: the whole vocabulary)")
@@ -78,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
                                        cuda_graphs=None if args.cuda_graphs is None else args.cuda_graphs == "on",
                                        num_draft_tokens=args.num_draft_tokens,
                                        adaptive=args.draft_length == "adaptive",
+                                       pipelining=args.pipelining == "on",
                                        draft_head_vocab=args.draft_head_vocab))
     prompt_ids = system.encode(args.prompt, raw=args.raw)
     stream = None if args.json else (lambda text: print(text, end="", flush=True))
@@ -115,4 +118,5 @@ def summarize(result, draft: str) -> dict:
         "mean_accepted_length": round(stats.mean_accepted_length, 3),
         "acceptance_by_position": [round(a, 3) for a in stats.acceptance_by_position()],
         "fallbacks": stats.fallbacks,
+        "pipeline_hit_rate": None if stats.pipeline_hit_rate is None else round(stats.pipeline_hit_rate, 3),
     }

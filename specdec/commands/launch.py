@@ -34,6 +34,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--num-draft-tokens", "-k", type=int, default=4)
+    parser.add_argument("--pipelining", choices=["on", "off"], default="off",
+                        help="the coordinator's --pipelining: draft the next block during verification")
     parser.add_argument("--log-dir", type=Path, help="service logs (default: a temporary folder)")
     parser.add_argument("--prompt", help="send this prompt, print the answer and statistics, then stop")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="for --prompt")
@@ -81,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         coordinator_cli = ["--host", "127.0.0.1", "--plaintext", "--port", str(args.port),
                            "--tokenizer", str(target_dir), "--redis-url", redis_url,
                            "--target", target.address, "--target-plaintext", "--draft-plaintext",
-                           "--num-draft-tokens", str(args.num_draft_tokens)]
+                           "--num-draft-tokens", str(args.num_draft_tokens), "--pipelining", args.pipelining]
         if draft_proc:
             coordinator_cli += ["--draft", draft_proc.address]
         else:

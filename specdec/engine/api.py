@@ -19,12 +19,18 @@ from specdec.types import DraftBlock, VerifyOutcome
 
 @dataclass(frozen=True)
 class Proposal:
-    """A drafted block and where it sits: its tokens occupy [position, position + k)."""
+    """A drafted block and where it sits: its tokens occupy [position, position + k).
+
+    A speculative proposal (pipelining) assumes its parent fully accepted and the target's next
+    token equal to guessed_token_id, placed at position - 1; it is valid only if that comes true.
+    A speculative proposal without a guess (the proposer had none) is empty and never valid."""
 
     epoch: int  # id of this proposal within the session, increasing; confirmed by the next Propose
     position: int
     block: DraftBlock
     proposer: str
+    speculative: bool = False
+    guessed_token_id: int | None = None
 
 
 class TargetAPI(Protocol):
@@ -64,9 +70,12 @@ class DraftAPI(Protocol):
         append_token_ids: Sequence[int],
         num_draft_tokens: int,
         parent_epoch: int = 0,
+        speculative: bool = False,
     ) -> Proposal:
         """Accept/rollback (keep the first keep_position tokens, append the target's tokens), then
-        draft num_draft_tokens tokens with the exact distributions they were sampled from."""
+        draft num_draft_tokens tokens with the exact distributions they were sampled from.
+        speculative: keep the whole parent (keep_position = its end, nothing appended), guess the
+        target's next token and draft after the guess (draft.proto, pipelining)."""
 
     async def truncate(self, session_id: str, position: int) -> int: ...
 

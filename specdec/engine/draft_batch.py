@@ -30,6 +30,7 @@ class ProposeWork:
     append_token_ids: tuple[int, ...]
     num_draft_tokens: int
     parent_epoch: int = 0
+    speculative: bool = False
 
 
 Result = Union[Proposal, Exception]
@@ -44,15 +45,41 @@ def run_propose_batch(engine: DraftEngine, works: Sequence[ProposeWork]) -> list
             w = works[index]
             try:
                 state = engine.begin_propose(w.session_id, w.keep_position, w.append_token_ids,
-                                             w.num_draft_tokens, w.parent_epoch)
+                                             w.num_draft_tokens, w.parent_epoch, w.speculative)
             except Exception as exc:  # noqa: BLE001 - the item's own error, returned to its caller
                 results[index] = exc
                 continue
             begun.append((index, state))
+        begun = _place_guesses(engine, works, begun, results)
         requests = [(s.proposer_state, s.tokens, works[i].num_draft_tokens, s.params) for i, s in begun]
         for (index, state), block in zip(begun, draft_all(engine.proposer, requests)):
-            results[index] = block if isinstance(block, Exception) else engine.finish_propose(state, block)
+            if isinstance(block, Exception):
+                engine.abort_propose(state)
+                results[index] = block
+            else:
+                results[index] = engine.finish_propose(state, block)
     return results  # type: ignore[return-value]
+
+
+def _place_guesses(engine: DraftEngine, works: Sequence[ProposeWork], begun: list, results: list) -> list:
+    """Speculative items first draft one token, their guess of the target's next token, in one
+    batched pass; the blocks after the guesses are drafted with everything else. Returns the items
+    left to draft (an item without a guess is finished empty here, one whose guess failed gets
+    its exception)."""
+    speculative = [(i, s) for i, s in begun if works[i].speculative]
+    if not speculative:
+        return begun
+    guesses = draft_all(engine.proposer, [(s.proposer_state, s.tokens, 1, s.params) for _, s in speculative])
+    settled = set()
+    for (index, state), guess in zip(speculative, guesses):
+        if isinstance(guess, Exception):
+            engine.abort_propose(state)
+            results[index] = guess
+            settled.add(index)
+        elif not engine.place_guess(state, guess):
+            results[index] = engine.finish_propose(state, DraftBlock.empty())
+            settled.add(index)
+    return [(i, s) for i, s in begun if i not in settled]
 
 
 def draft_all(proposer: Proposer, requests: Sequence[tuple]) -> list[DraftBlock | Exception]:

@@ -56,8 +56,10 @@ class LocalDraft:
         append_token_ids: Sequence[int],
         num_draft_tokens: int,
         parent_epoch: int = 0,
+        speculative: bool = False,
     ) -> Proposal:
-        return self.engine.propose(session_id, keep_position, append_token_ids, num_draft_tokens, parent_epoch)
+        return self.engine.propose(session_id, keep_position, append_token_ids, num_draft_tokens, parent_epoch,
+                                   speculative)
 
     async def truncate(self, session_id: str, position: int) -> int:
         return self.engine.truncate(session_id, position)

@@ -41,6 +41,7 @@ class LocalSettings:
     max_context: int | None = None
     num_draft_tokens: int = 4
     adaptive: bool = True  # adapt the draft length per session (specdec.generation.adaptive)
+    pipelining: bool = False  # pipelined cycles (specdec.generation.pipeline); no overlap in one process
     top_m: int = 64
     draft_head_vocab: int | str | None = "auto"  # reduced draft output head (specdec.models.loader)
 
@@ -114,7 +115,8 @@ class LocalSystem:
         try:
             result = await generate(target, draft, session_id, prompt_ids, params, stop, emit,
                                     LoopSettings(num_draft_tokens=self.settings.num_draft_tokens,
-                                                 adaptive=self.settings.adaptive))
+                                                 adaptive=self.settings.adaptive,
+                                                 pipelining=self.settings.pipelining))
         finally:
             self.target_engine.end_session(session_id)
             if self.draft_engine is not None:

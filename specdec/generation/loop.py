@@ -20,6 +20,7 @@ from typing import Awaitable, Callable, ContextManager, Sequence
 
 from specdec.engine.api import DraftAPI, TargetAPI
 from specdec.generation.adaptive import DraftLengthPolicy
+from specdec.generation.pipeline import PipelinedDrafting
 from specdec.generation.stats import SpeculationStats
 from specdec.generation.stopping import FinishReason, StopChecker
 from specdec.sampling.params import SamplingParams
@@ -36,6 +37,7 @@ class LoopSettings:
     retry_draft_after: int = 8  # plain cycles before speculation is tried again after a draft failure
     adaptive: bool = False  # adapt the draft length to measured acceptance and costs (adaptive.py)
     max_draft_tokens: int = 8  # the longest draft adaptation may choose
+    pipelining: bool = False  # draft the next block while the target verifies (pipeline.py)
 
 
 @dataclass
@@ -81,6 +83,9 @@ class LoopObserver:
     def fell_back(self, error: Exception) -> None:
         """The draft failed; the next cycles decode plainly."""
 
+    def pipelined(self, hit: bool) -> None:
+        """A pipelined cycle's speculative block was confirmed (hit) or discarded (miss)."""
+
 
 class SpeculativeLoop:
     def __init__(
@@ -97,6 +102,7 @@ class SpeculativeLoop:
         self.policy: DraftLengthPolicy | None = None
         if self.settings.adaptive and draft is not None:
             self.policy = DraftLengthPolicy(self.settings.num_draft_tokens, self.settings.max_draft_tokens)
+        self.pipeline = PipelinedDrafting(self) if self.settings.pipelining and draft is not None else None
 
     async def run(self, cursor: SessionCursor, stop: StopChecker, emit: TokenSink) -> GenerationResult:
         """Generate after the cursor's committed sequence until `stop` says so; emit every token
@@ -110,7 +116,8 @@ class SpeculativeLoop:
                 k = self._draft_length(cursor, stop)
                 new_tokens: list[int] | None = None
                 if plain_cycles_left == 0 and k > 0:
-                    new_tokens = await self._speculate(cursor, k, stats)
+                    new_tokens = await (self.pipeline.speculate(cursor, k, stats, stop) if self.pipeline
+                                        else self._speculate(cursor, k, stats))
                     if new_tokens is None:  # the draft failed: plain decoding, retry later
                         stats.fallbacks += 1
                         plain_cycles_left = self.settings.retry_draft_after
@@ -131,11 +138,12 @@ class SpeculativeLoop:
                 await self._settle_draft(cursor)
                 return GenerationResult(generated, reason, stats)
 
-    def _draft_length(self, cursor: SessionCursor, stop: StopChecker) -> int:
+    def _draft_length(self, cursor: SessionCursor, stop: StopChecker, ahead: int = 0) -> int:
+        """For a block that starts `ahead` tokens past the committed sequence (pipelining)."""
         # Never draft past the budget or the context: a cycle commits up to k + 1 tokens.
-        room = cursor.max_context - cursor.position - 1
+        room = cursor.max_context - cursor.position - ahead - 1
         wanted = self.policy.next_k() if self.policy else self.settings.num_draft_tokens
-        return max(0, min(wanted, stop.remaining - 1, room))
+        return max(0, min(wanted, stop.remaining - ahead - 1, room))
 
     async def _speculate(self, cursor: SessionCursor, k: int, stats: SpeculationStats) -> list[int] | None:
         started = time.perf_counter()
@@ -153,10 +161,14 @@ class SpeculativeLoop:
             outcome = await self.target.verify(cursor.session_id, cursor.position, proposal.block, proposal.epoch)
         verified_at = time.perf_counter()
         stats.verify_seconds += verified_at - drafted_at
+        return self._apply_outcome(cursor, proposal, outcome, stats, drafted_at - started, verified_at - drafted_at)
+
+    def _apply_outcome(self, cursor: SessionCursor, proposal, outcome: VerifyOutcome, stats: SpeculationStats,
+                       draft_s: float, verify_s: float) -> list[int]:
+        """Record a verify outcome and commit its tokens to the cursor; return them."""
         stats.record(outcome)
         if self.policy:
-            self.policy.observe_cycle(outcome.num_drafted, outcome.num_accepted, drafted_at - started,
-                                      verified_at - drafted_at)
+            self.policy.observe_cycle(outcome.num_drafted, outcome.num_accepted, draft_s, verify_s)
             if outcome.num_drafted < proposal.block.num_tokens:  # the loaded target trimmed the draft
                 self.policy.limit(outcome.num_drafted)
         self.observer.verified(outcome, proposal.proposer)
@@ -214,6 +226,7 @@ class SpeculativeLoop:
         try:
             await self.draft.truncate(cursor.session_id, keep)
             cursor.draft_tokens = cursor.tokens[:keep]
+            cursor.draft_epoch = 0  # Truncate discards every live proposal
         except Exception as exc:
             log.warning("draft truncate failed for session %s: %s", cursor.session_id, exc)
             cursor.draft_ready = False

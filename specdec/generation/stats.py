@@ -16,6 +16,10 @@ class SpeculationStats:
     bonus: int = 0  # cycles where every drafted token was accepted
     decode_steps: int = 0  # plain target steps (no draft, fallback, or k = 0)
     fallbacks: int = 0  # cycles where the draft failed and plain decoding took over
+    pipeline_hits: int = 0  # pipelined cycles whose speculative block went to verification next
+    pipeline_misses: int = 0  # pipelined cycles whose speculative block was discarded
+    pipeline_wrong_guesses: int = 0  # ... of them: the block was fully accepted, the bonus guess was wrong
+    pipeline_rejected_last: int = 0  # ... of them: only the block's last token was rejected
     drafted_by_position: list[int] = field(default_factory=list)  # [i]: drafts that had a token i
     accepted_by_position: list[int] = field(default_factory=list)  # [i]: ... whose token i was accepted
     draft_seconds: float = 0.0
@@ -49,11 +53,27 @@ class SpeculationStats:
         """Tokens committed per verify cycle (accepted + the recovered/bonus token)."""
         return (self.accepted + self.cycles) / self.cycles if self.cycles else 0.0
 
+    def record_pipeline(self, hit: bool, miss_kind: str | None = None) -> None:
+        """One pipelined cycle; a miss's kind as specdec.generation.pipeline.miss_kind says."""
+        if hit:
+            self.pipeline_hits += 1
+            return
+        self.pipeline_misses += 1
+        self.pipeline_wrong_guesses += miss_kind == "wrong_guess"
+        self.pipeline_rejected_last += miss_kind == "rejected_last"
+
+    @property
+    def pipeline_hit_rate(self) -> float | None:
+        """Hits / pipelined cycles; None without pipelined cycles (sequential mode)."""
+        attempts = self.pipeline_hits + self.pipeline_misses
+        return self.pipeline_hits / attempts if attempts else None
+
     def acceptance_by_position(self) -> list[float]:
         return [a / d if d else 0.0 for a, d in zip(self.accepted_by_position, self.drafted_by_position)]
 
     def merge(self, other: "SpeculationStats") -> None:
         for name in ("cycles", "drafted", "accepted", "recovered", "bonus", "decode_steps", "fallbacks",
+                     "pipeline_hits", "pipeline_misses", "pipeline_wrong_guesses", "pipeline_rejected_last",
                      "draft_seconds", "verify_seconds", "decode_seconds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.drafted_by_position, other.drafted_by_position),
@@ -66,5 +86,6 @@ class SpeculationStats:
         out = asdict(self)
         out["acceptance_rate"] = self.acceptance_rate
         out["mean_accepted_length"] = self.mean_accepted_length
+        out["pipeline_hit_rate"] = self.pipeline_hit_rate
         out["acceptance_by_position"] = self.acceptance_by_position()
         return out

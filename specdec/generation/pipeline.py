@@ -1,0 +1,152 @@
+"""Pipelined drafting: the draft drafts block i+1 while the target verifies block i.
+
+PEARL's post-verify (Liu et al. 2024), AMUSD, SwiftSpec. While Verify(P) is in flight, a speculative
+Propose asks the draft to assume P fully accepted and the target's next token equal to the draft's
+own guess g, and to draft block S after g (draft.proto: parent_epoch=P, keep_position=end(P),
+speculative=true). When the outcome of P arrives:
+  - hit (every token of P accepted, and the bonus token == g): S goes to Verify at once, with no
+    draft round trip on the critical path;
+  - miss: the next cycle's ordinary Propose names P as its parent and applies P's outcome, which
+    discards S and g on the draft (its KV cache is cut back to the kept length).
+
+Why this is lossless: verification only needs, for each token it verifies, the exact distribution
+the draft sampled it from, and that the draft's randomness is independent of the target's at the
+verified positions. The draft samples with counter-based randomness keyed on (seed, position,
+stream) (specdec.sampling.rng), so S, drafted on the prefix "committed + P + g", is exactly the block
+a sequential Propose would draft after committing g there; it is used only when the target did
+commit that very prefix. A guess that turned out wrong never reaches the target. So a pipelined run
+commits the same tokens as a sequential one (and, in greedy or Gumbel-coupled mode, as plain
+decoding); only the timing changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from specdec.engine.api import Proposal
+from specdec.generation.stats import SpeculationStats
+from specdec.generation.stopping import StopChecker
+from specdec.types import VerifyOutcome
+
+if TYPE_CHECKING:  # the loop imports this module; the type alone goes the other way
+    from specdec.generation.loop import SessionCursor, SpeculativeLoop
+
+log = logging.getLogger(__name__)
+
+
+def is_hit(parent: Proposal, outcome: VerifyOutcome, child: Proposal | None) -> bool:
+    """The speculative child is valid: its parent was verified in full (not trimmed by a loaded
+    target) and the target's bonus token is the child's guess."""
+    return (
+        child is not None
+        and child.guessed_token_id is not None
+        and outcome.num_drafted == parent.block.num_tokens
+        and outcome.num_accepted == parent.block.num_tokens
+        and outcome.next_token == child.guessed_token_id
+    )
+
+
+def miss_kind(parent: Proposal, outcome: VerifyOutcome, child: Proposal) -> str:
+    """Why a speculative child was discarded; the kinds a multi-outcome draft would aim at are
+    "wrong_guess" (a second bonus guess) and "rejected_last" (a branch for all-but-last accepted)."""
+    k = parent.block.num_tokens
+    if outcome.num_drafted < k:
+        return "trimmed"  # the loaded target verified fewer tokens than drafted
+    if outcome.num_accepted < k:
+        return "rejected_last" if outcome.num_accepted == k - 1 else "rejected"
+    if child.guessed_token_id is None:
+        return "no_guess"  # the proposer had no next token (an n-gram without a match)
+    return "wrong_guess"
+
+
+class PipelinedDrafting:
+    """One generation's pipelined cycles; SpeculativeLoop calls speculate() instead of its
+    sequential _speculate when LoopSettings.pipelining is on."""
+
+    def __init__(self, loop: "SpeculativeLoop"):
+        self.loop = loop
+        self.ready: Proposal | None = None  # a hit's speculative block, not verified yet
+
+    async def speculate(
+        self, cursor: "SessionCursor", k: int, stats: SpeculationStats, stop: StopChecker
+    ) -> list[int] | None:
+        """One cycle: verify a block (the ready one after a hit, else a freshly proposed one) while
+        the draft drafts its speculative child. None: the draft failed (the loop decodes plainly)."""
+        loop = self.loop
+        started = time.perf_counter()
+        proposal, self.ready = self.ready, None
+        if proposal is not None and proposal.position != cursor.position:
+            proposal = None  # something else was committed since (a plain step): the draft must catch up
+        if proposal is None:
+            try:
+                with loop.observer.step("propose"):
+                    proposal = await loop._propose(cursor, k)
+            except Exception as exc:  # a failing draft never fails a request
+                log.warning("draft failed for session %s, decoding plainly: %s", cursor.session_id, exc)
+                cursor.draft_ready = False
+                loop.observer.fell_back(exc)
+                return None
+        drafted_at = time.perf_counter()
+        stats.draft_seconds += drafted_at - started
+        # The child's length as if it were drafted after P's verify: P's tokens and the bonus come first.
+        child_k = loop._draft_length(cursor, stop, ahead=proposal.block.num_tokens + 1)
+        outcome, child = await asyncio.gather(
+            self._verify(cursor, proposal),
+            self._propose_child(cursor, proposal, child_k) if child_k > 0 else _none(),
+        )
+        verified_at = time.perf_counter()
+        stats.verify_seconds += verified_at - drafted_at
+        new_tokens = loop._apply_outcome(cursor, proposal, outcome, stats, drafted_at - started,
+                                         verified_at - drafted_at)
+        if child is not None:
+            hit = is_hit(proposal, outcome, child)
+            stats.record_pipeline(hit, None if hit else miss_kind(proposal, outcome, child))
+            loop.observer.pipelined(hit)
+            if hit:
+                self._take_child(cursor, proposal, child)
+            else:
+                self._drop_child(cursor, proposal, len(new_tokens))
+        return new_tokens
+
+    async def _verify(self, cursor: "SessionCursor", proposal: Proposal) -> VerifyOutcome:
+        with self.loop.observer.step("verify"):
+            return await self.loop.target.verify(cursor.session_id, cursor.position, proposal.block, proposal.epoch)
+
+    async def _propose_child(self, cursor: "SessionCursor", parent: Proposal, k: int) -> Proposal | None:
+        """The speculative Propose; a failure only costs this cycle's pipelining (the next ordinary
+        Propose names the parent, which the refused or failed call left live)."""
+        try:
+            with self.loop.observer.step("propose_speculative"):
+                return await self.loop.draft.propose(
+                    cursor.session_id, parent.position + parent.block.num_tokens, (), k, parent.epoch,
+                    speculative=True,
+                )
+        except Exception as exc:  # noqa: BLE001 - pipelining is an optimisation; the cycle goes on
+            log.info("speculative draft failed for session %s: %s", cursor.session_id, exc)
+            return None
+
+    def _take_child(self, cursor: "SessionCursor", parent: Proposal, child: Proposal) -> None:
+        """The draft's sequence is now the committed one (ending in the guess) plus the child's
+        block; the next ordinary Propose, if any, builds on the child."""
+        self.ready = child
+        cursor.draft_tokens = cursor.tokens + child.block.token_ids.tolist()
+        # Where this cycle's tokens start, not the committed length: a stop inside them cuts the
+        # committed sequence back, and the draft's known-committed prefix must stay within it.
+        cursor.draft_committed = parent.position
+        cursor.draft_epoch = child.epoch
+
+    @staticmethod
+    def _drop_child(cursor: "SessionCursor", parent: Proposal, num_committed: int) -> None:
+        """What the loop believes the draft holds stays the parent's sequence: the next Propose
+        names the parent, so the draft discards the child (and its guess) itself."""
+        before = cursor.position - num_committed
+        cursor.draft_tokens = cursor.tokens[:before] + parent.block.token_ids.tolist()
+        cursor.draft_committed = before
+        cursor.draft_epoch = parent.epoch
+
+
+async def _none() -> None:
+    return None
