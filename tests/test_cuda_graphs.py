@@ -155,6 +155,17 @@ def test_cuda_graphs_equal_eager(root, case, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_cuda_graphs_on_a_device_that_is_not_the_current_one(root):
+    """A draft on cuda:1 while the process's current device is cuda:0 (the benchmark's layout)."""
+    eager, graphs = pair(tiny_dir(root, "llama3"), device="cuda:1")
+    want, got = script(eager), script(graphs)
+    for g, w in zip(got, want):
+        assert relative_error(g.cpu(), w.cpu()) <= 1e-4
+    assert graphs.graphs.stats.captured == 5
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_graph_replays_track_the_cache(root):
     """The same shape replayed at new positions and slots: every replay reads fresh inputs."""

@@ -22,6 +22,7 @@ On a CPU the same static-shape code runs without capture: tests check it against
 from __future__ import annotations
 
 import bisect
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -144,8 +145,11 @@ class GraphRunner:
         if shape is None:
             self.stats.eager_fallbacks += 1
             return None
-        static = self.forwards.get(shape) or self._build(shape)
-        hidden, logit_rows = static(self._host_inputs(shape, slots, token_ids, starts, lengths, num_logits))
+        # A graph replays on the current stream of the current device: make that the model's device
+        # (a draft on cuda:1 in a process whose current device is cuda:0).
+        with torch.cuda.device(self.model.device) if self.capture else contextlib.nullcontext():
+            static = self.forwards.get(shape) or self._build(shape)
+            hidden, logit_rows = static(self._host_inputs(shape, slots, token_ids, starts, lengths, num_logits))
         self.stats.replays += 1
         return hidden.index_select(0, logit_rows)
 
@@ -153,8 +157,7 @@ class GraphRunner:
         static = StaticForward(self.model, shape)
         if self.capture:
             started = time.perf_counter()
-            with torch.cuda.device(self.model.device):
-                static.capture(self.pool)
+            static.capture(self.pool)
             self.stats.captured += 1
             self.stats.capture_seconds += time.perf_counter() - started
             self.stats.shapes.append(f"{shape.rows}x{shape.width}x{shape.key_len}")
