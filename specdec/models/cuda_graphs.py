@@ -102,7 +102,9 @@ class StaticForward:
             self.run()
         torch.cuda.current_stream(m.device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
+        # Our own capture stream: torch.cuda.graph's default one is created once, on whichever device
+        # was current then, and capturing a cuda:1 model on a cuda:0 stream fails.
+        with torch.cuda.graph(self.graph, pool=pool, stream=side, capture_error_mode="thread_local"):
             self.hidden = self.run()
 
     def __call__(self, host_inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
