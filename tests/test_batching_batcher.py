@@ -14,12 +14,13 @@ from specdec.engine.batch import VerifyWork, run_target_batch
 from specdec.engine.batcher import Batcher, decode_steps
 from specdec.engine.target import TargetEngine
 from specdec.errors import PositionMismatch, ServiceUnavailable
-from specdec.models.loader import load_model
 from specdec.sampling.params import SamplingMode, SamplingParams
 from specdec.server.executor import ModelExecutor
 from specdec.types import DraftBlock
 
-CONTEXT = 160
+import batching_helpers
+from batching_helpers import CONTEXT, one_thread, tiny_dir  # noqa: F401 (module fixtures)
+
 NUM_CLIENTS = 6
 PARAMS = [
     SamplingParams(),
@@ -28,25 +29,8 @@ PARAMS = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared machine spinning threads
-    cost many times the work."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from specdec.testing.tiny_models import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("batcher") / "target", vocab_size=256, seed=0)
-
-
 def target_engine(path, slots: int = 8) -> TargetEngine:
-    return TargetEngine(load_model(path, backend="native", num_slots=slots, max_context=CONTEXT))
+    return batching_helpers.target_engine(path, slots)
 
 
 def prompts() -> list[list[int]]:

@@ -19,7 +19,9 @@ from specdec.proposers.ngram import NgramProposer
 from specdec.sampling.params import SamplingMode, SamplingParams
 from specdec.types import DraftBlock
 
-CONTEXT = 160
+import batching_helpers
+from batching_helpers import CONTEXT, one_thread, tiny_dir  # noqa: F401 (module fixtures)
+
 PARAMS = [
     SamplingParams(),  # greedy
     SamplingParams(temperature=1.0, seed=11),
@@ -28,25 +30,8 @@ PARAMS = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared machine spinning threads
-    cost many times the work."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from specdec.testing.tiny_models import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("batching") / "target", vocab_size=256, seed=0)
-
-
 def target_engine(path, slots: int = 16) -> TargetEngine:
-    return TargetEngine(load_model(path, backend="native", num_slots=slots, max_context=CONTEXT))
+    return batching_helpers.target_engine(path, slots)
 
 
 class Drafter:
