@@ -110,11 +110,31 @@ def _plain_config(model: torch.nn.Module):
     return type(model.config).from_dict(config_dict)
 
 
+def align_special_tokens(tokenizer, config) -> None:
+    """Make the tokenizer's eos and pad tokens the ones the model config names, where they differ.
+
+    Both come from the same GGUF metadata, but transformers 5.17's GGUF tokenizer conversion names
+    SmolLM2's <|im_start|> (id 1) as eos and drops the pad, while the config (and transformers 5.24)
+    says eos = pad = <|im_end|> (id 2). The special tokens are part of the vocab fingerprint that a
+    coordinator compares with each draft's, so a target converted by 5.17 refused the packaged draft
+    and every session silently decoded without it (seen on the GPU machine, reproduced here with 5.17).
+    The config's ids win, so the converted directory does not depend on the converting version.
+    """
+    for role in ("eos", "pad"):
+        token_id = getattr(config, f"{role}_token_id", None)
+        if isinstance(token_id, int) and getattr(tokenizer, f"{role}_token_id", None) != token_id:
+            token = tokenizer.convert_ids_to_tokens(token_id)
+            logger.warning("GGUF tokenizer %s token %r -> %r (id %d, the model config's)", role,
+                           getattr(tokenizer, f"{role}_token", None), token, token_id)
+            setattr(tokenizer, f"{role}_token", token)
+
+
 def convert_gguf(gguf_path: Path, out_dir: Path) -> dict[str, str]:
     """Dequantize gguf_path with transformers and write an HF directory; returns the tied-name map."""
     logger.info("dequantizing %s (float32)", Path(gguf_path).name)
     model = load_gguf_model(gguf_path)
     tokenizer = load_gguf_tokenizer(gguf_path)
+    align_special_tokens(tokenizer, model.config)
     if not getattr(tokenizer, "chat_template", None):
         logger.warning("%s carries no chat template; prompts will be encoded as plain text", gguf_path)
     return save_hf_directory(model, tokenizer, out_dir)
