@@ -129,7 +129,9 @@ class GraphRunner:
         self.stats = GraphStats()
         ctx = model.cache.max_context
         self.key_buckets = list(range(KEY_BUCKET, ctx + 1, KEY_BUCKET)) + [ctx + 1]
-        # One memory pool for every graph: only one forward's intermediates are alive at a time.
+        # One memory pool for every graph: only one forward runs at a time, and a graph's output is
+        # copied out (index_select below) right after its own replay, before another graph can reuse
+        # that memory for its intermediates.
         self.pool = torch.cuda.graph_pool_handle() if capture else None
 
     def shape_for(self, starts: list[int], lengths: list[int]) -> Shape | None:
@@ -141,8 +143,9 @@ class GraphRunner:
                      self.key_buckets[bisect.bisect_left(self.key_buckets, keys)])
 
     def forward(self, slots: list[int], token_ids, starts: list[int], lengths: list[int],
-                num_logits: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(final-normed hidden states of the scored rows [N, hidden], nothing else) or None (eager)."""
+                num_logits: list[int]) -> torch.Tensor | None:
+        """Final-normed hidden states of the rows to score [N, hidden], or None: not a static shape, so
+        the caller runs the forward eagerly."""
         shape = self.shape_for(starts, lengths)
         if shape is None:
             self.stats.eager_fallbacks += 1
