@@ -93,6 +93,10 @@ class PipelinedDrafting:
         stats.draft_seconds += drafted_at - started
         # The child's length as if it were drafted after P's verify: P's tokens and the bonus come first.
         child_k = loop._draft_length(cursor, stop, ahead=proposal.block.num_tokens + 1)
+        if proposal.block.num_tokens == 0:
+            # A proposer that drafted nothing here (an n-gram lookup without a match) has no guess for
+            # this very position either: the speculative call could only miss, so save its round trip.
+            child_k = 0
         outcome, child = await asyncio.gather(
             self._verify(cursor, proposal),
             self._propose_child(cursor, proposal, child_k) if child_k > 0 else _none(),
