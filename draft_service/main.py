@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from specdec.models.reduced_head import parse_head_vocab
 from specdec.server import service
 from specdec.server.settings import ConfigError, ServerSettings, add_server_arguments, server_settings_from_args
 from specdec.server.tokenizer_info import tokenizer_facts
@@ -44,10 +45,12 @@ class DraftServiceSettings:
     backend: str = "native"
     device: str = "cpu"
     dtype: str = "float32"
+    cuda_graphs: bool | None = None  # None: on for a CUDA device
     num_slots: int = 8
     max_context: int | None = None
     top_m: int = 64
-    head_vocab: int = 0  # reduced output head: the checkpoint's head_vocab.json prefix (0 = full head)
+    # Reduced output head: "auto" (the checkpoint's recommendation, on CPU), None (full) or N rows.
+    head_vocab: int | str | None = "auto"
     ngram_max: int = 3
     ngram_min: int = 1
     num_draft_tokens: int = 4
@@ -85,9 +88,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "for ngram pass the target's)")
     g.add_argument("--top-m", type=int, default=64,
                    help="entries of each draft distribution kept and sent (0 = all)")
-    g.add_argument("--head-vocab", type=int, default=int(env("SPECDEC_DRAFT_HEAD_VOCAB", "0")),
-                   help="score only the draft's N most frequent tokens (its head_vocab.json; 0 = the full "
-                        "vocabulary): a cheaper draft step, still lossless")
+    g.add_argument("--head-vocab", type=parse_head_vocab, default=env("SPECDEC_DRAFT_HEAD_VOCAB", "auto"),
+                   help="score only the draft's N most frequent tokens (its head_vocab.json) and the session's "
+                        "own context tokens: a cheaper draft step, still lossless. 'auto' (default): the size the "
+                        "checkpoint recommends, on CPU; 'full' or 0: the whole vocabulary")
     g.add_argument("--ngram-max", type=int, default=3, help="longest n-gram to match (--proposer ngram)")
     g.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram to match (--proposer ngram)")
     g.add_argument("--num-draft-tokens", type=int, default=4, help="draft length when a request names none")
@@ -134,7 +138,7 @@ def build_engine(settings: DraftServiceSettings):
         log.info("loading draft model %s from %s", settings.model, model_dir)
         model = load_model(model_dir, backend=settings.backend, device=settings.device, dtype=settings.dtype,
                            num_slots=settings.num_slots, max_context=settings.max_context, name=settings.model,
-                           head_vocab=settings.head_vocab or None)
+                           head_vocab=settings.head_vocab, cuda_graphs=settings.cuda_graphs)
         proposer = DraftModelProposer(model, top_m=settings.top_m)
         info, top_m = model.info, settings.top_m
     engine = DraftEngine(proposer, idle_ttl_s=settings.session_ttl_s, max_draft_tokens=settings.max_draft_tokens)

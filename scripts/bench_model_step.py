@@ -17,7 +17,6 @@ import torch
 
 from specdec.models.hf_backend import HFModel
 from specdec.models.llama import LlamaModel
-from specdec.models.loader import load_model
 from specdec.models.registry import resolve_model
 
 
@@ -33,9 +32,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
     backends = {
-        "native": load_model(path, "native", dtype=args.dtype, num_slots=2, max_context=args.context + 64),
-        "native-dense": LlamaModel(path, dtype=args.dtype, num_slots=2, max_context=args.context + 64,
-                                   linear_kernel="dense"),
+        **{f"native-{kernel}": LlamaModel(path, dtype=args.dtype, num_slots=2, max_context=args.context + 64,
+                                          linear_kernel=kernel) for kernel in ("onednn", "dense", "hybrid")},
         "hf-sdpa": HFModel(path, dtype=args.dtype, num_slots=1, attn_implementation="sdpa"),
         "hf-eager": HFModel(path, dtype=args.dtype, num_slots=1, attn_implementation="eager"),
     }

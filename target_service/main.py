@@ -36,6 +36,7 @@ class TargetServiceSettings:
     backend: str = "native"
     device: str = "cpu"
     dtype: str = "float32"
+    cuda_graphs: bool | None = None  # None: on for a CUDA device
     num_slots: int = 8
     max_context: int | None = None  # None: the model's own limit (capped by the loader)
     session_ttl_s: float = 600.0
@@ -104,7 +105,8 @@ def run(settings: TargetServiceSettings) -> int:
     log.info("loading target %s from %s (%s, %s, %s)", settings.model, model_dir, settings.backend,
              settings.device, settings.dtype)
     model = load_model(model_dir, backend=settings.backend, device=settings.device, dtype=settings.dtype,
-                       num_slots=settings.num_slots, max_context=settings.max_context, name=settings.model)
+                       num_slots=settings.num_slots, max_context=settings.max_context, name=settings.model,
+                       cuda_graphs=settings.cuda_graphs)
     if settings.test_fault:
         log.warning("TEST ONLY: verification is corrupted on purpose (--test-fault %s)", settings.test_fault)
     engine = TargetEngine(model, idle_ttl_s=settings.session_ttl_s, fault_injection=settings.test_fault)

@@ -50,3 +50,57 @@ def test_speculation_with_a_reduced_head_equals_plain_decoding(dirs, head_vocab)
         plain = run(target, None, [1, 5, 9, 12], params, max_new_tokens=30)
         spec = run(target, draft, [1, 5, 9, 12], params, max_new_tokens=30)
         assert spec.token_ids == plain.token_ids
+
+
+def test_extra_head_ids_score_exactly_those_rows_beside_the_reduced_head(dirs):
+    full = load_model(dirs["draft"], num_slots=1)
+    reduced = load_model(dirs["draft"], num_slots=1, head_vocab=32)
+    tokens = [[7, 8, 9]]
+    slot_a, slot_b = full.allocate(), reduced.allocate()
+    logits_full = full.forward([slot_a], tokens, [2])[0]  # [2, 256]
+    extra = torch.tensor(dirs["order"][200:205])
+    logits = reduced.forward([slot_b], tokens, [2], extra_head_ids=[extra])[0]  # [2, 32 + 5]
+    columns = torch.cat((torch.tensor(dirs["order"][:32]), extra))
+    torch.testing.assert_close(logits, logits_full[:, columns], rtol=1e-5, atol=1e-5)
+    with pytest.raises(InvalidArgument):
+        full.forward([slot_a], [[1]], [1], extra_head_ids=[extra])  # a full head has no extra rows
+
+
+def test_the_draft_scores_its_head_and_the_sessions_context_tokens_only(dirs):
+    from specdec.proposers.draft_model import DraftModelProposer
+    from specdec.sampling.params import SamplingParams
+
+    order = dirs["order"]
+    proposer = DraftModelProposer(load_model(dirs["draft"], num_slots=2, max_context=64, head_vocab=8), top_m=0)
+    outside = [t for t in order[100:104]]  # context tokens outside the 8-row head
+    prompt = [order[0], outside[0], outside[1], order[1], outside[0], outside[2]]
+    state = proposer.open("s")
+    block = proposer.propose(state, prompt, 3, SamplingParams(temperature=1.0, seed=1))
+    support = set(order[:8]) | set(outside[:3])
+    for step in range(3):
+        ids = block.draft_prob_ids[step][block.draft_probs[step] > 0].tolist()
+        assert set(ids) <= support and set(ids) - set(order[:8])  # context tokens do get mass
+        assert block.token_ids[step].item() in support
+    assert state.context_ids == outside[:3]  # in order of first appearance, once each
+    # A sequence that is not an extension of the one scanned (a rollback into it) is rescanned.
+    proposer.propose(state, [order[2], outside[3]], 1, SamplingParams())
+    assert state.context_ids == [outside[3]]
+
+
+def test_head_vocab_auto_takes_the_checkpoints_recommendation_on_cpu_only(dirs, tmp_path):
+    import argparse
+    import shutil
+
+    from specdec.models.reduced_head import parse_head_vocab
+
+    assert load_model(dirs["draft"], num_slots=1, head_vocab="auto").head_token_ids is None  # none recommended
+    draft = shutil.copytree(dirs["draft"], tmp_path / "draft")
+    listing = json.loads((draft / "head_vocab.json").read_text())
+    (draft / "head_vocab.json").write_text(json.dumps({**listing, "recommended": 24}))
+    assert len(load_model(draft, num_slots=1, head_vocab="auto").head_token_ids) == 24
+    assert load_model(draft, num_slots=1, head_vocab=None).head_token_ids is None
+    assert load_model(dirs["target"], num_slots=1, head_vocab="auto").head_token_ids is None  # no listing
+    assert [parse_head_vocab(t) for t in ("auto", "full", "0", "64")] == ["auto", None, None, 64]
+    for bad in ("-1", "many"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_head_vocab(bad)

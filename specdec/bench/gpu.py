@@ -132,7 +132,7 @@ def copy_bandwidth(device: str, nbytes: int = 1 << 30, repeats: int = 20) -> flo
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    sync = torch.cuda.synchronize if src.is_cuda else (lambda: None)
+    sync = (lambda: torch.cuda.synchronize(src.device)) if src.is_cuda else (lambda: None)  # that device's
     for _ in range(3):
         dst.copy_(src)
     sync()

@@ -97,11 +97,14 @@ def count_candidates(stats: dict) -> Iterator[None]:
 
 
 class HFPeers:
-    def __init__(self, target_dir: Path, draft_dir: Path | None, eos_token_ids, pld_tokens: int):
+    def __init__(self, target_dir: Path, draft_dir: Path | None, eos_token_ids, pld_tokens: int,
+                 device: str = "cpu", dtype: str = "float32"):
         from transformers import AutoModelForCausalLM
 
+        # Target and draft on one device: assisted generation runs both in this process.
+        self.device, self.dtype = device, dtype
         load = lambda d: AutoModelForCausalLM.from_pretrained(  # noqa: E731
-            str(d), dtype=torch.float32, attn_implementation="eager").eval()
+            str(d), dtype=getattr(torch, dtype), attn_implementation="eager").to(device).eval()
         self.target = load(target_dir)
         self.draft = load(draft_dir) if draft_dir is not None else None
         self.eos_token_ids = sorted(eos_token_ids)
@@ -111,7 +114,8 @@ class HFPeers:
 
     def settings(self) -> dict:
         """What the peers ran with, for the report."""
-        out = {"attn_implementation": "eager", "dtype": "float32", "prompt_lookup_num_tokens": self.pld_tokens}
+        out = {"attn_implementation": "eager", "dtype": self.dtype, "device": self.device,
+               "prompt_lookup_num_tokens": self.pld_tokens}
         if self.draft is not None:
             out["assistant"] = "transformers' defaults; what it used is in each hf-assisted request's " \
                                "stats.assistant_settings"
@@ -129,7 +133,7 @@ class HFMethod:
 
     async def run(self, prompt: Prompt, prompt_ids: list[int], max_new_tokens: int) -> RequestResult:
         peers = self.peers
-        input_ids = torch.tensor([prompt_ids], dtype=torch.long)
+        input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=peers.device)
         kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
                       eos_token_id=peers.eos_token_ids, pad_token_id=peers.pad_token_id,
                       attention_mask=torch.ones_like(input_ids))

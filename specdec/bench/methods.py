@@ -18,7 +18,7 @@ from specdec.bench.prompts import Prompt
 CATALOG: dict[str, str] = {
     "plain": "target alone through the services: the coordinator's baseline pool (gRPC, Redis)",
     "plain-inproc": "target alone, the same engine in the benchmark's process (no RPC)",
-    "hf-greedy": "Hugging Face generate, greedy, transformers eager fp32 (the peers' baseline)",
+    "hf-greedy": "Hugging Face generate, greedy, transformers eager, the run's device and dtype (the peers' baseline)",
     "hf-assisted": "Hugging Face generate(assistant_model=draft), the same pair in one process",
     "hf-pld": "Hugging Face generate(prompt_lookup_num_tokens=k)",
     "specdec-ngram": "this system distributed, n-gram proposer, sequential cycles",

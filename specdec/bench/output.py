@@ -65,6 +65,8 @@ def assemble(bench: Bench, collected: Collected) -> dict:
         "meta": {
             "machine": notes["machine"], "code": notes["code"], "device": c.device, "dtype": c.dtype,
             "backend": c.backend, "threads": c.threads,
+            "cuda_graphs": {"setting": {None: "default (on for CUDA)", True: "on", False: "off"}[c.cuda_graphs],
+                            "in_process_models": notes.get("cuda_graphs")},
             "models": {**notes["models"], "target_name": c.target, "draft_name": c.draft},
             "prompts": {"file": c.prompts_file or "specdec/data/bench_prompts.jsonl (default set)",
                         "count": len(bench.prompts), "categories": dict(categories),

@@ -48,6 +48,8 @@ class BenchConfig:
     threads: int = 2
     backend: str = "native"
     dtype: str = "float32"
+    cuda_graphs: bool | None = None  # native backend: None = on for a CUDA device (models/cuda_graphs.py)
+    max_context: int | None = None  # tokens per session, services and in process (None: the models' default)
     device: str = "cpu"
     draft_device: str | None = None  # None: the target's device
     floor: bool = False  # also measure the memory-bandwidth floor of a target step
@@ -112,7 +114,8 @@ class Bench:
     def service_options(self) -> ServiceOptions:
         c = self.config
         return ServiceOptions(self.target_dir, self.draft_dir, c.backend, c.dtype, c.device, c.draft_device or c.device,
-                              c.threads, num_slots=max(8, max(c.concurrency) + 4),
+                              c.threads, num_slots=max(8, max(c.concurrency) + 4), cuda_graphs=c.cuda_graphs,
+                              max_context=c.max_context,
                               num_draft_tokens=c.num_draft_tokens, replay_references=self.references,
                               replay_seed=c.replay_seed, extra_env=dict(c.extra_env))
 
@@ -140,12 +143,14 @@ class Bench:
 
         c = self.config
         torch.set_num_threads(c.threads)
-        load = lambda d, device: load_model(d, backend=c.backend, device=device, dtype=c.dtype, num_slots=2)  # noqa: E731
-        target = TargetEngine(load(self.target_dir, c.device))
+        load = lambda d, device: load_model(d, backend=c.backend, device=device, dtype=c.dtype, num_slots=2,  # noqa: E731
+                                            cuda_graphs=c.cuda_graphs, max_context=c.max_context)
+        self.inproc_models = {"target": load(self.target_dir, c.device)}
+        target = TargetEngine(self.inproc_models["target"])
         drafts = {"ngram": DraftEngine(NgramProposer())}
         if self.draft_dir is not None:
-            drafts["draft-model"] = DraftEngine(DraftModelProposer(load(self.draft_dir, c.draft_device or c.device),
-                                                                   top_m=0))
+            self.inproc_models["draft"] = load(self.draft_dir, c.draft_device or c.device)
+            drafts["draft-model"] = DraftEngine(DraftModelProposer(self.inproc_models["draft"], top_m=0))
         plain = InProcessPlain(target, self.eos)
         if "plain-inproc" in self.methods:
             self.runners["plain-inproc"] = plain
@@ -156,7 +161,8 @@ class Bench:
             from specdec.bench.hf import HFPeers
 
             pld = c.pld_tokens or c.num_draft_tokens
-            peers = HFPeers(self.target_dir, self.draft_dir if "hf-assisted" in self.methods else None, self.eos, pld)
+            peers = HFPeers(self.target_dir, self.draft_dir if "hf-assisted" in self.methods else None, self.eos, pld,
+                            c.device, c.dtype)
             self.collected.notes["hf"] = peers.settings()
             self.runners.update({m: peers.method(m) for m in self.methods if m.startswith("hf-")})
         max_verify = max(c.num_draft_tokens, 8 if "server" in self.policies else 0) + 1
@@ -194,6 +200,9 @@ class Bench:
                      models={"target": meta.model_facts(self.target_dir), "draft": meta.model_facts(self.draft_dir)})
         timer = self.in_process()
         asyncio.run(self._phases(timer))
+        models = getattr(self, "inproc_models", {})
+        notes["cuda_graphs"] = {role: vars(model.graphs.stats) for role, model in models.items()
+                                if getattr(model, "graphs", None) is not None}
         if c.floor:
             from specdec.bench.gpu import bandwidth_floor
             from specdec.bench.timing import summarize

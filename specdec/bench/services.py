@@ -24,6 +24,7 @@ class ServiceOptions:
     target_device: str = "cpu"
     draft_device: str = "cpu"
     threads: int = 2
+    cuda_graphs: bool | None = None  # None: the services' default (on for a CUDA device)
     num_slots: int = 8
     num_draft_tokens: int = 4
     max_context: int | None = None
@@ -40,6 +41,7 @@ def draft_specs(options: ServiceOptions, proposers: list[str]) -> dict[str, tupl
              "--num-slots", str(options.num_slots)]
     if options.max_context:
         model += ["--max-context", str(options.max_context)]
+    model += cuda_graphs_args(options)
     common = ["--plaintext", "--num-draft-tokens", str(options.num_draft_tokens)]
     for name in proposers:
         if name == "ngram":
@@ -55,6 +57,10 @@ def draft_specs(options: ServiceOptions, proposers: list[str]) -> dict[str, tupl
         else:
             raise ValueError(f"unknown proposer {name!r}")
     return specs
+
+
+def cuda_graphs_args(options: ServiceOptions) -> list[str]:
+    return [] if options.cuda_graphs is None else ["--cuda-graphs", "on" if options.cuda_graphs else "off"]
 
 
 class Deployment:
@@ -81,6 +87,7 @@ class Deployment:
                            "--num-slots", str(o.num_slots)]
             if o.max_context:
                 target_args += ["--max-context", str(o.max_context)]
+            target_args += cuda_graphs_args(o)
             self.target = self._spawn("target", "target_service", target_args)
             for name, (module, args) in draft_specs(o, proposers).items():
                 self.drafts[name] = self._spawn("draft", module, ["--host", self.network.host("draft"), *args])

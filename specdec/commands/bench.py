@@ -70,6 +70,12 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--backend", choices=["native", "hf", "auto"], default="native")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--max-context", type=int,
+                        help="tokens per session in every model (default: the model's limit capped at 2048); "
+                             "byte-level random models need more for Spec-Bench's long prompts")
+    parser.add_argument("--cuda-graphs", choices=["on", "off"], default=None,
+                        help="native backend on CUDA: replay decode and verify steps as CUDA graphs, in the "
+                             "services and in process (default: on for a CUDA device)")
     parser.add_argument("--draft-device", help="the draft's device (default: --device), e.g. cuda:1")
     parser.add_argument("--pld-tokens", type=int, help="prompt_lookup_num_tokens for hf-pld (default: k)")
     scale = parser.add_argument_group("model scale (GPU)")
@@ -112,7 +118,9 @@ def build_config(args: argparse.Namespace):
         concurrency=tuple(args.concurrency) or (1,), concurrency_prompts=args.concurrency_prompts,
         concurrency_rounds=args.concurrency_rounds, netem_ms=tuple(args.netem), netem_mode=args.netem_mode,
         netem_prompts=args.netem_prompts, threads=args.threads, backend=args.backend, dtype=args.dtype,
-        device=args.device, draft_device=args.draft_device, pld_tokens=args.pld_tokens,
+        device=args.device, draft_device=args.draft_device,
+        cuda_graphs=None if args.cuda_graphs is None else args.cuda_graphs == "on", pld_tokens=args.pld_tokens,
+        max_context=args.max_context,
         timing_repeats=args.timing_repeats, seed=args.seed, log_dir=args.log_dir, replay_alphas=args.replay_alpha,
         replay_seed=args.replay_seed, ignore_eos=args.ignore_eos, floor=args.floor,
     )

@@ -91,7 +91,8 @@ def add_subcommands(parser: argparse.ArgumentParser) -> None:
     v.add_argument("--eval", required=True, help="reference answers (make-eval)")
     v.add_argument("--k", type=int, default=4, help="draft tokens per speculative step")
     v.add_argument("--head-vocab", type=int, nargs="*", default=[],
-                   help="also score reduced heads of the N most frequent answer tokens (one or more N)")
+                   help="also score reduced heads of the N most frequent answer tokens (one or more N; the "
+                        "draft's head_vocab.json unless --head-data), alone and with the session's context tokens")
     v.add_argument("--head-data", default=None, help="shards whose answer-token counts pick the reduced head")
     v.add_argument("--head-out", default=None, help="write each reduced head's token ids to PREFIX.N.json")
     v.add_argument("--json-out", default=None)
@@ -105,6 +106,12 @@ def add_subcommands(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--context", type=int, default=300)
     c.add_argument("--repeats", type=int, default=40)
     c.add_argument("--threads", type=int, default=2)
+    c.add_argument("--head-vocab", type=int, default=None,
+                   help="also time the draft with this reduced head (default: the size its head_vocab.json "
+                        "recommends, if any)")
+    c.add_argument("--context-rows", type=int, default=150,
+                   help="context tokens outside the reduced head scored beside it each step (150: the 90th "
+                        "percentile over the Spec-Bench dev sessions at 4,096 rows; docs/DISTILLATION.md)")
     c.set_defaults(func=_cost)
 
 
@@ -173,6 +180,7 @@ def _train(args) -> int:
 
 
 def _evaluate(args) -> int:
+    import torch
     from transformers import AutoModelForCausalLM
 
     from specdec.distill.data import load_dir, load_shard
@@ -184,10 +192,16 @@ def _evaluate(args) -> int:
     records = load_shard(args.eval)
     result = {"full_head": summarize(records, match_vectors(draft, records, args.device), args.k)}
     source = (load_dir(args.head_data) if args.head_data else records) if args.head_vocab else []
+    listing = resolve_model(args.draft) / "head_vocab.json"
     for size in args.head_vocab:
-        ids, coverage = head_vocab(source, size)
+        if args.head_data or not listing.is_file():
+            ids, coverage = head_vocab(source, size)
+        else:  # the draft's own list (what the services load), picked from its training data
+            ids, coverage = torch.tensor(sorted(json.loads(listing.read_text())["token_ids"][:size])), float("nan")
         result[f"head_{size}"] = summarize(records, match_vectors(draft, records, args.device, head_ids=ids), args.k)
         result[f"head_{size}"]["train_coverage"] = round(coverage, 4)
+        result[f"head_{size}+context"] = summarize(
+            records, match_vectors(draft, records, args.device, head_ids=ids, context=True), args.k)
         if args.head_out:
             with open(f"{args.head_out}.{size}.json", "w") as f:
                 json.dump({"token_ids": ids.tolist(), "coverage": coverage}, f)
@@ -203,12 +217,21 @@ def _cost(args) -> int:
     import torch
 
     from specdec.distill.evaluate import decode_step_ms
+    from specdec.models.reduced_head import recommended_head_vocab
     from specdec.models.registry import resolve_model
 
     torch.set_num_threads(args.threads)
-    paths = {"draft": str(resolve_model(args.draft)), "target": str(resolve_model(args.target))}
-    result = decode_step_ms(paths, args.backend, args.context, args.repeats)
-    for stat in ("median_ms", "min_ms"):
-        result[f"ratio_{stat[:-3]}"] = round(result["draft"][stat] / result["target"][stat], 4)
-    print(json.dumps({"backend": args.backend, "threads": args.threads, "context": args.context, **result}))
+    draft = resolve_model(args.draft)
+    paths = {"draft": str(draft), "target": str(resolve_model(args.target))}
+    rows = args.head_vocab or recommended_head_vocab(draft)
+    heads = {}
+    if rows and args.backend == "native":
+        paths[f"draft_head{rows}"] = str(draft)
+        heads[f"draft_head{rows}"] = (rows, args.context_rows)
+    result = decode_step_ms(paths, args.backend, args.context, args.repeats, heads=heads)
+    for name in (n for n in paths if n != "target"):
+        for stat in ("median_ms", "min_ms"):
+            result[name][f"ratio_{stat[:-3]}"] = round(result[name][stat] / result["target"][stat], 4)
+    print(json.dumps({"backend": args.backend, "threads": args.threads, "context": args.context,
+                      "context_rows": args.context_rows, **result}))
     return 0

@@ -7,6 +7,7 @@ import asyncio
 import json
 import sys
 
+from specdec.models.reduced_head import parse_head_vocab
 from specdec.sampling.params import SamplingMode, SamplingParams
 
 
@@ -43,11 +44,14 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--draft-length", choices=["adaptive", "fixed"], default="adaptive")
     parser.add_argument("--pipelining", choices=["on", "off"], default="off",
                         help="pipelined cycles (in one process the engines take turns: same output, no gain)")
-    parser.add_argument("--draft-head-vocab", type=int, default=0,
-                        help="score only the draft's N most frequent tokens (0 = full vocabulary)")
+    parser.add_argument("--draft-head-vocab", type=parse_head_vocab, default="auto",
+                        help="score only the draft's N most frequent tokens and the session's own context "
+                             "tokens ('auto': the draft's recommendation on CPU; 'full' or 0: the whole vocabulary)")
     parser.add_argument("--backend", choices=["native", "hf", "auto"], default="native")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument("--cuda-graphs", choices=["on", "off"], default=None,
+                        help="replay decode and verify steps as CUDA graphs (default: on for a CUDA device)")
     parser.add_argument("--raw", action="store_true", help="send the prompt as plain text, no chat template")
     parser.add_argument("--compare", action="store_true",
                         help="also decode plainly and report the speedup and token-for-token equality")
@@ -73,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
     draft = args.draft or default_draft()
     system = LocalSystem(LocalSettings(target=args.target, draft=draft, backend=args.backend,
                                        device=args.device, dtype=args.dtype,
+                                       cuda_graphs=None if args.cuda_graphs is None else args.cuda_graphs == "on",
                                        num_draft_tokens=args.num_draft_tokens,
                                        adaptive=args.draft_length == "adaptive",
                                        pipelining=args.pipelining == "on",

@@ -24,6 +24,7 @@ from specdec.distill.data import Record
 def match_vectors(
     draft: torch.nn.Module, records: list[Record], device: str, batch_tokens: int = 32768,
     head_ids: torch.Tensor | None = None,  # [N] token ids the draft may propose (reduced head); None: all
+    context: bool = False,  # with head_ids: also every token already in the sequence (the proposer's rule)
 ) -> list[np.ndarray]:
     """Per record, a bool array over answer tokens: draft argmax == the target's token."""
     draft.eval()
@@ -54,11 +55,35 @@ def match_vectors(
         for row, i in enumerate(idx):
             r = records[i]
             h = hidden[row, r.prompt_len - 1:len(r.tokens) - 1].float()  # predicts the answer tokens
-            pred = (h @ sub.float().T).argmax(-1)
+            scores = h @ sub.float().T
+            pred = scores.argmax(-1)
             if head_ids is not None:
                 pred = head_ids.to(pred.device)[pred]
+                if context:
+                    pred = _with_context(pred, scores.max(-1).values, h, head, head_ids, r)
             out[i] = (pred.cpu().numpy() == r.tokens[r.prompt_len:])
     return out
+
+
+def _with_context(pred: torch.Tensor, best: torch.Tensor, h: torch.Tensor, head: torch.Tensor,
+                  head_ids: torch.Tensor, r: Record) -> torch.Tensor:
+    """The argmax over the reduced head plus the tokens already in the sequence before each answer
+    position (specdec.proposers.draft_model's context rows): a token first seen at index f is
+    available to the predictions of positions after f."""
+    tokens = torch.from_numpy(r.tokens.astype(np.int64))
+    outside = ~torch.isin(tokens, head_ids.cpu())
+    first: dict[int, int] = {}  # token -> sequence index where it first appears
+    for index, token in zip(torch.nonzero(outside).flatten().tolist(), tokens[outside].tolist()):
+        first.setdefault(token, index)
+    if not first:
+        return pred
+    ids = torch.tensor(list(first), device=h.device)
+    first_seen = torch.tensor(list(first.values()), device=h.device)  # [U]
+    scores = h @ head[ids].float().T  # [n, U]
+    predicted_at = torch.arange(r.prompt_len, len(r.tokens), device=h.device)  # sequence index of each answer token
+    scores = scores.masked_fill(first_seen[None, :] >= predicted_at[:, None], float("-inf"))
+    extra_best, extra_arg = scores.max(-1)
+    return torch.where(extra_best > best, ids[extra_arg], pred)
 
 
 class _null:
@@ -122,18 +147,30 @@ def head_vocab(records: list[Record], size: int) -> tuple[torch.Tensor, float]:
 
 
 def decode_step_ms(
-    paths: dict[str, str], backend: str = "native", context: int = 300, repeats: int = 40, seed: int = 0
+    paths: dict[str, str], backend: str = "native", context: int = 300, repeats: int = 40, seed: int = 0,
+    heads: dict[str, tuple[int, int]] | None = None,
 ) -> dict[str, dict[str, float]]:
     """Median and minimum ms of one decode step (batch 1, `context` tokens cached) for each model.
 
     Uses the project's backends (specdec.models.loader). Models are timed interleaved, repetition by
     repetition, so a neighbour's load on a shared machine hits all of them alike; each timed step is undone
-    with truncate so every repetition runs at the same position.
+    with truncate so every repetition runs at the same position. heads[name] = (rows, context_rows): load
+    that model with a reduced head of `rows` rows, scoring `context_rows` further ids beside it each step
+    (the session's context tokens outside the head, as the draft proposer does).
     """
     from specdec.models.loader import load_model
 
-    models = {n: load_model(p, backend, dtype="float32", num_slots=1, max_context=context + 8) for n, p in paths.items()}
+    heads = heads or {}
+    models = {n: load_model(p, backend, dtype="float32", num_slots=1, max_context=context + 8,
+                            head_vocab=heads.get(n, (None, 0))[0]) for n, p in paths.items()}
     prompt = torch.randint(0, 1000, (context,), generator=torch.Generator().manual_seed(seed)).tolist()
+    extra = {}
+    for name, model in models.items():
+        head, rows = getattr(model, "head_token_ids", None), heads.get(name, (None, 0))[1]
+        if head is not None and rows:
+            outside = torch.ones(model.info.vocab_size, dtype=torch.bool)
+            outside[head] = False
+            extra[name] = {"extra_head_ids": [torch.nonzero(outside).flatten()[-rows:]]}  # rare ids: realistic
     slots = {}
     for name, model in models.items():
         slots[name] = model.allocate()
@@ -142,7 +179,7 @@ def decode_step_ms(
     for _ in range(repeats + 3):
         for name, model in models.items():
             start = time.perf_counter()
-            model.forward([slots[name]], [[prompt[-1]]], [1])
+            model.forward([slots[name]], [[prompt[-1]]], [1], **extra.get(name, {}))
             times[name].append((time.perf_counter() - start) * 1000)
             model.truncate(slots[name], context)
     return {n: {"median_ms": round(float(np.median(t[3:])), 3), "min_ms": round(min(t[3:]), 3)}

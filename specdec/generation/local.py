@@ -36,13 +36,14 @@ class LocalSettings:
     backend: str = "native"
     device: str = "cpu"
     dtype: str = "float32"
+    cuda_graphs: bool | None = None  # None: on for a CUDA device (specdec.models.cuda_graphs)
     num_slots: int = 4
     max_context: int | None = None
     num_draft_tokens: int = 4
     adaptive: bool = True  # adapt the draft length per session (specdec.generation.adaptive)
     pipelining: bool = False  # pipelined cycles (specdec.generation.pipeline); no overlap in one process
     top_m: int = 64
-    draft_head_vocab: int = 0  # reduced draft output head (0 = full vocabulary)
+    draft_head_vocab: int | str | None = "auto"  # reduced draft output head (specdec.models.loader)
 
 
 @dataclass
@@ -63,7 +64,7 @@ def build_proposer(draft: str, settings: LocalSettings, target_tokenizer) -> obj
     draft_dir = resolve_model(draft)
     check_compatible(load_tokenizer(draft_dir), target_tokenizer)
     model = load_model(draft_dir, backend=settings.backend, device=settings.device, dtype=settings.dtype,
-                       head_vocab=settings.draft_head_vocab or None,
+                       head_vocab=settings.draft_head_vocab, cuda_graphs=settings.cuda_graphs,
                        num_slots=settings.num_slots, max_context=settings.max_context)
     return DraftModelProposer(model, top_m=settings.top_m)
 
@@ -75,7 +76,8 @@ class LocalSystem:
         self.tokenizer = load_tokenizer(target_dir)
         self.eos_token_ids = eos_token_ids(self.tokenizer, target_dir)
         model = load_model(target_dir, backend=settings.backend, device=settings.device,
-                           dtype=settings.dtype, num_slots=settings.num_slots, max_context=settings.max_context)
+                           dtype=settings.dtype, num_slots=settings.num_slots, max_context=settings.max_context,
+                           cuda_graphs=settings.cuda_graphs)
         self.target_engine = TargetEngine(model)
         proposer = build_proposer(settings.draft, settings, self.tokenizer)
         self.draft_engine = DraftEngine(proposer) if proposer is not None else None

@@ -7,9 +7,19 @@ once whatever the row count. Measured on the project's 2-core AMD EPYC machine (
 rows, while oneDNN's linear on a weight prepacked once at load took about 15-21 ms for 1 to 9 rows.
 So on CPU the weights are prepacked for oneDNN when that operator exists; elsewhere (CUDA, fp16 on CPU,
 a torch build without oneDNN) a plain matmul on the transposed weight is used.
+
+With one intra-op thread (how the services run beside each other on a small machine) the picture
+splits by row count. Whole SmolLM2-135M forwards, fp32, 1 thread, interleaved: one row 39 ms with MKL
+against 51 ms with oneDNN, five rows 92 ms with MKL against 48 ms with oneDNN (2 threads: one row
+33 ms with oneDNN, 39 ms with MKL). So at one thread "auto" keeps both layouts (twice the weight
+memory) and sends one-row products to MKL, the rest to oneDNN: plain decoding and drafting, which are
+one-row steps, would otherwise run 25% slower than they can, and flatter every speedup measured
+against them. Reproduce: scripts/bench_model_step.py.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -49,14 +59,52 @@ class OneDnnLinear:
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual, w, None, "add")
 
 
-def choose_linear(device: torch.device, dtype: torch.dtype, prefer: str = "auto") -> DenseLinear | OneDnnLinear:
-    """The kernel for this device and dtype ("auto"), or the one named by `prefer` ("dense" | "onednn")."""
+class _BothLayouts(NamedTuple):
+    dense: torch.Tensor  # [in, out]
+    packed: torch.Tensor  # oneDNN's blocked layout
+
+
+class HybridLinear:
+    """One activation row: MKL on the plain weight; more rows: oneDNN on the prepacked weight."""
+
+    name = "hybrid"
+
+    def __init__(self) -> None:
+        self._dense, self._onednn = DenseLinear(), OneDnnLinear()
+
+    def prepare(self, weight: torch.Tensor) -> _BothLayouts:
+        return _BothLayouts(self._dense.prepare(weight), self._onednn.prepare(weight))
+
+    def __call__(self, x: torch.Tensor, w: _BothLayouts, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.shape[0] == 1:
+            return self._dense(x, w.dense, bias)
+        return self._onednn(x, w.packed, bias)
+
+    def add(self, residual: torch.Tensor, x: torch.Tensor, w: _BothLayouts) -> torch.Tensor:
+        if x.shape[0] == 1:
+            return self._dense.add(residual, x, w.dense)
+        return self._onednn.add(residual, x, w.packed)
+
+
+Linear = DenseLinear | OneDnnLinear | HybridLinear
+KERNELS = ("auto", "dense", "onednn", "hybrid")
+
+
+def choose_linear(device: torch.device, dtype: torch.dtype, prefer: str = "auto") -> Linear:
+    """The kernel for this device and dtype ("auto"), or the one named by `prefer` (see KERNELS).
+    "auto" on a CPU with oneDNN: hybrid when torch runs one intra-op thread, else oneDNN."""
+    if prefer not in KERNELS:
+        raise ValueError(f"linear kernel {prefer!r} is unknown; choose one of {KERNELS}")
     if prefer == "dense":
         return DenseLinear()
     usable = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and _onednn_works(dtype)
-    if prefer == "onednn" and not usable:
+    if prefer in ("onednn", "hybrid") and not usable:
         raise ValueError(f"the oneDNN linear is not usable here ({device}, {dtype}); use 'dense' or 'auto'")
-    return OneDnnLinear() if usable else DenseLinear()
+    if not usable:
+        return DenseLinear()
+    if prefer == "hybrid" or (prefer == "auto" and torch.get_num_threads() == 1):
+        return HybridLinear()
+    return OneDnnLinear()
 
 
 def _onednn_works(dtype: torch.dtype) -> bool:

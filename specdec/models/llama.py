@@ -11,8 +11,9 @@ their keys/values into the cache's scratch column, which no mask ever admits.
 Activations are kept 2-D, [tokens, hidden], so every projection is one matmul (linear_kernels.py picks
 the kernel) and residual adds fuse into it. Only the rows whose logits were asked for go through the
 final norm and the lm_head: with a 49k vocabulary the lm_head is the largest single matmul of a small
-model. The per-forward index tensors (_Batch) are built once on the host and shared by all layers; a
-CUDA-graph version would copy them into static buffers and pad key_len to a bucket.
+model. The per-forward index tensors (_Batch) are built once on the host and shared by all layers.
+With cuda_graphs, decode and verify shapes go through cuda_graphs.py instead: the same layers on
+static, bucketed shapes, replayed as CUDA graphs; anything else (prefills) runs here.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class _Batch:
     first_slot: int
     mask: torch.Tensor | None  # [B, 1, T, L] bool, True = attend; None when nothing needs masking
     is_causal: bool  # a single fresh prefill: SDPA's own causal mask is exact
-    logit_rows: torch.Tensor  # [N] flat token indices whose logits are returned
+    logit_rows: torch.Tensor | None  # [N] flat token indices whose logits are returned (None: all)
 
 
 class LlamaModel:
@@ -60,6 +61,8 @@ class LlamaModel:
     linear_kernel: "auto" | "dense" | "onednn" (see linear_kernels.py; "auto" is right outside benchmarks).
     head_token_ids: a reduced output head (a draft's most frequent tokens): logits then cover only
     these ids, in this order; inputs still take the whole vocabulary.
+    cuda_graphs: decode and verify shapes through the static-shape forward of cuda_graphs.py, captured
+    as CUDA graphs on a CUDA device (on a CPU the static path runs uncaptured: tests use that).
     """
 
     def __init__(
@@ -73,6 +76,7 @@ class LlamaModel:
         name: str | None = None,
         linear_kernel: str = "auto",
         head_token_ids: torch.Tensor | None = None,
+        cuda_graphs: bool = False,
     ):
         if dtype not in DTYPES:
             raise InvalidArgument(f"dtype {dtype!r} is not supported; choose one of {sorted(DTYPES)}")
@@ -91,6 +95,15 @@ class LlamaModel:
             dtype=self.dtype, device=self.device,
         )
         self._cos, self._sin = _rope_tables(cfg, max_context + 1, self.dtype, self.device)
+        # Grouped-query attention as one query block per KV head (no repeated keys/values), so that
+        # SDPA can take its memory-efficient kernel with a mask on CUDA; on CPU the measured kernels
+        # stay as they are.
+        self.group_queries = self.device.type == "cuda"
+        self.graphs = None
+        if cuda_graphs:
+            from specdec.models.cuda_graphs import GraphRunner
+
+            self.graphs = GraphRunner(self, capture=self.device.type == "cuda")
         self.info = ModelInfo(
             name=name or str(path), architecture=cfg.architecture, vocab_size=cfg.vocab_size,
             max_context=max_context, dtype=dtype, device=str(self.device), backend="native",
@@ -129,27 +142,55 @@ class LlamaModel:
         slots: Sequence[int],
         token_ids: Sequence[Sequence[int]],
         num_logits: Sequence[int] | None = None,
+        extra_head_ids: Sequence[torch.Tensor | None] | None = None,
     ) -> list[torch.Tensor]:
+        """Logits [num_logits[i], head] per row. With a reduced head, extra_head_ids[i] (token ids
+        outside it, e.g. the session's own context) adds their scores as further columns, in order."""
         lengths = [len(row) for row in token_ids]
         num_logits = list(lengths if num_logits is None else num_logits)
-        logits = self._forward(list(slots), token_ids, lengths, num_logits)  # [sum(num_logits), vocab]
+        logits, hidden = self._forward(list(slots), token_ids, lengths, num_logits)  # [sum(num_logits), .]
         # Tensors made under inference_mode refuse in-place edits outside it; callers (samplers that
         # mask logits) get ordinary tensors. The copy is a few rows of the vocabulary.
-        return list(logits.clone().split(num_logits))
+        rows = list(logits.clone().split(num_logits))
+        if extra_head_ids is not None:
+            rows = self._add_extra_head(rows, hidden.split(num_logits), extra_head_ids)
+        return rows
+
+    @torch.inference_mode()
+    def _add_extra_head(self, rows: list[torch.Tensor], hidden: Sequence[torch.Tensor],
+                        extra_head_ids: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+        source = self.weights.full_head
+        if source is None:
+            raise InvalidArgument("extra_head_ids needs a reduced head (head_token_ids)")
+        out = []
+        for logits, h, ids in zip(rows, hidden, extra_head_ids):
+            if ids is not None and len(ids):
+                extra = F.linear(h, source.index_select(0, ids.to(source.device))).float()  # [n, len(ids)]
+                logits = torch.cat((logits, extra), dim=-1)
+            out.append(logits.clone())
+        return out
 
     @torch.inference_mode()
     def _forward(
         self, slots: list[int], token_ids: Sequence[Sequence[int]], lengths: list[int], num_logits: list[int]
-    ) -> torch.Tensor:
-        batch = self._plan(slots, token_ids, lengths, num_logits)
-        x = F.embedding(batch.tokens, self.weights.embed)  # [B * T, hidden]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        starts = self._check(slots, token_ids, lengths, num_logits)
+        h = None
+        if self.graphs is not None:
+            h = self.graphs.forward(slots, token_ids, starts, lengths, num_logits)  # None: not a static shape
+        if h is None:
+            batch = self._plan(slots, token_ids, starts, lengths, num_logits)
+            x = self._layers(F.embedding(batch.tokens, self.weights.embed), batch)  # [B * T, hidden]
+            h = _rms_norm(x.index_select(0, batch.logit_rows), self.weights.final_norm, self.config.rms_norm_eps)
+        logits = self.linear(h, self.weights.lm_head).float()  # [N, vocab]
+        self.cache.advance(slots, lengths)
+        return logits, h
+
+    def _layers(self, x: torch.Tensor, batch: _Batch) -> torch.Tensor:
         for index, layer in enumerate(self.weights.layers):
             x = self._attention(x, layer, index, batch)
             x = self._mlp(x, layer)
-        h = _rms_norm(x.index_select(0, batch.logit_rows), self.weights.final_norm, self.config.rms_norm_eps)
-        logits = self.linear(h, self.weights.lm_head).float()  # [N, vocab]
-        self.cache.advance(slots, lengths)
-        return logits
+        return x
 
     def _attention(self, x: torch.Tensor, w: LayerWeights, index: int, b: _Batch) -> torch.Tensor:
         cfg = self.config
@@ -164,9 +205,12 @@ class LlamaModel:
         values.view(-1, head_dim).index_copy_(0, b.write_index, qkv[:, heads + kv_heads :].reshape(-1, head_dim))
         keys, values = _gather(keys, b), _gather(values, b)  # [B, KV, L, D]
         q = qk[:, :heads].view(b.num_rows, b.width, heads, head_dim).transpose(1, 2)  # [B, H, T, D]
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=b.mask, is_causal=b.is_causal, enable_gqa=heads != kv_heads
-        )  # [B, H, T, D]
+        if self.group_queries and heads != kv_heads and not b.is_causal:
+            out = _grouped_attention(q, keys, values, b.mask)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=b.mask, is_causal=b.is_causal, enable_gqa=heads != kv_heads
+            )  # [B, H, T, D]
         out = out.transpose(1, 2).reshape(-1, heads * head_dim)  # [B * T, H * D]
         x = self.linear.add(x, out, w.wo)  # residual fused
         return x if w.bo is None else x + w.bo
@@ -178,9 +222,10 @@ class LlamaModel:
         x = self.linear.add(x, F.silu(gate) * up, w.w_down)  # SwiGLU, residual fused
         return x if w.b_down is None else x + w.b_down
 
-    def _plan(
+    def _check(
         self, slots: list[int], rows: Sequence[Sequence[int]], lengths: list[int], num_logits: list[int]
-    ) -> _Batch:
+    ) -> list[int]:
+        """Validate a forward's arguments; return the slots' current lengths."""
         if not rows or len(slots) != len(rows) or len(num_logits) != len(rows):
             raise InvalidArgument(
                 f"slots, token_ids and num_logits must be non-empty and of equal length; got "
@@ -191,7 +236,12 @@ class LlamaModel:
                 raise InvalidArgument(f"each row needs >= 1 token and 0 <= num_logits <= its length; got {n}, {k}")
             if min(row) < 0 or max(row) >= self.config.vocab_size:
                 raise InvalidArgument(f"token ids must be in 0..{self.config.vocab_size - 1}")
-        starts = self.cache.check_append(slots, lengths)
+        return self.cache.check_append(slots, lengths)
+
+    def _plan(
+        self, slots: list[int], rows: Sequence[Sequence[int]], starts: list[int], lengths: list[int],
+        num_logits: list[int],
+    ) -> _Batch:
         B, T = len(rows), max(lengths)
         ctx = self.cache.max_context
         kv_heads = self.config.num_kv_heads
@@ -237,6 +287,22 @@ def _gather(cache: torch.Tensor, b: _Batch) -> torch.Tensor:
     if b.slot_index is None:
         return head[b.first_slot : b.first_slot + b.num_rows]
     return head.index_select(0, b.slot_index)
+
+
+def _grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                       mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention of q [B, H, T, D] over keys/values [B, KV, L, D] with the H / KV query heads that share
+    a KV head stacked as one longer query block [B, KV, G * T, D]: the arithmetic of repeating the
+    keys/values per query head (head h reads KV head h // G, as transformers' repeat_kv) without
+    materialising the repeat. mask [B, 1, T, L] or None. Returns [B, H, T, D]."""
+    B, H, T, D = q.shape
+    kv_heads, L = keys.shape[1], keys.shape[2]
+    groups = H // kv_heads
+    q = q.reshape(B, kv_heads, groups * T, D)
+    if mask is not None:
+        mask = mask[:, :, None].expand(B, 1, groups, T, L).reshape(B, 1, groups * T, L)
+    # reshape, not view: the memory-efficient kernel may return a transposed layout
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask).reshape(B, H, T, D)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

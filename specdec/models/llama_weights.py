@@ -39,6 +39,9 @@ class LlamaWeights:
     lm_head: torch.Tensor  # [vocab, hidden] (prepared separately from embed even when tied)
     final_norm: torch.Tensor  # [hidden]
     layers: list[LayerWeights]
+    # With a reduced lm_head: the whole vocabulary's output rows, so that a few ids outside the reduced
+    # head (a session's own context tokens) can still be scored. None with a full head.
+    full_head: torch.Tensor | None = None
 
 
 def checkpoint_files(directory: Path) -> list[Path]:
@@ -85,10 +88,13 @@ def load_weights(
         lm_head = embed
     else:
         lm_head = r.get("lm_head.weight")
-    if head_token_ids is not None:  # a reduced output head: only these rows are ever scored
-        lm_head = lm_head.index_select(0, head_token_ids)
+    embed = r.place(embed)
+    full_head = None
+    if head_token_ids is not None:  # a reduced output head: only these rows are scored every step
+        full_head = embed if cfg.tie_word_embeddings else r.place(lm_head)
+        lm_head = full_head.index_select(0, head_token_ids.to(full_head.device))
     return LlamaWeights(
-        embed=r.place(embed), lm_head=linear.prepare(r.place(lm_head)),
+        embed=embed, lm_head=linear.prepare(r.place(lm_head)), full_head=full_head,
         final_norm=r.place(r.get("model.norm.weight")), layers=[_load_layer(r, cfg, i, linear) for i in range(cfg.num_layers)],
     )
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from specdec.errors import InvalidArgument
 from specdec.models.base import CausalLM
 from specdec.models.llama_config import LlamaConfig, UnsupportedModel
+from specdec.models.reduced_head import recommended_head_vocab, reduced_head
 
 BACKENDS = ("native", "hf", "auto")
 
@@ -35,13 +36,18 @@ def load_model(
     max_context: int | None = None,
     kv_budget_bytes: int | None = None,
     name: str | None = None,
-    head_vocab: int | None = None,
+    head_vocab: int | str | None = None,
+    cuda_graphs: bool | None = None,
 ) -> CausalLM:
     """Load the model in directory `path` with `backend` ("native", "hf", or "auto": native if supported).
 
     max_context None means the model's limit capped at 2048 tokens per slot. kv_budget_bytes (native
     only) sizes the slot pool from a memory budget instead of num_slots. head_vocab (native only): keep
-    the first head_vocab ids of the checkpoint's head_vocab.json as a reduced output head (drafts).
+    the first head_vocab ids of the checkpoint's head_vocab.json as a reduced output head (drafts);
+    "auto": the size that file recommends, on CPU only (on a GPU the full head costs next to nothing),
+    and the full head for checkpoints without one or on other backends. cuda_graphs (native only):
+    decode and verify steps replayed as CUDA graphs (specdec.models.cuda_graphs); None: on for a CUDA
+    device; never on elsewhere.
     """
     path = Path(path)
     if backend not in BACKENDS:
@@ -50,12 +56,16 @@ def load_model(
         raise InvalidArgument(f"{path} is not a Hugging Face model directory (no config.json)")
     if backend == "auto":
         backend = "native" if native_support(path) is None else "hf"
+    if head_vocab == "auto":
+        head_vocab = recommended_head_vocab(path) if backend == "native" and device == "cpu" else None
     if backend == "native":
+        from specdec.models.cuda_graphs import use_cuda_graphs
         from specdec.models.llama import LlamaModel
 
         return LlamaModel(
             path, device=device, dtype=dtype, num_slots=num_slots, max_context=max_context,
             kv_budget_bytes=kv_budget_bytes, name=name, head_token_ids=reduced_head(path, head_vocab),
+            cuda_graphs=use_cuda_graphs(cuda_graphs, device),
         )
     if kv_budget_bytes is not None:
         raise InvalidArgument("kv_budget_bytes is supported by the native backend only; give num_slots")
@@ -64,20 +74,3 @@ def load_model(
     from specdec.models.hf_backend import HFModel
 
     return HFModel(path, device=device, dtype=dtype, num_slots=num_slots, max_context=max_context, name=name)
-
-
-def reduced_head(path: Path, head_vocab: int | None):
-    """The first head_vocab token ids of path/head_vocab.json (most frequent first), or None."""
-    if not head_vocab:
-        return None
-    import json
-
-    import torch
-
-    listing = path / "head_vocab.json"
-    if not listing.is_file():
-        raise InvalidArgument(f"{path} has no head_vocab.json: a reduced head needs its token list")
-    token_ids = json.loads(listing.read_text())["token_ids"]
-    if not 0 < head_vocab <= len(token_ids):
-        raise InvalidArgument(f"head_vocab must be in [1, {len(token_ids)}] for {path}, got {head_vocab}")
-    return torch.tensor(token_ids[:head_vocab], dtype=torch.long)

@@ -38,6 +38,9 @@ def add_model_arguments(group: Any, *, num_slots_help: str) -> None:
     group.add_argument("--backend", choices=["native", "hf", "auto"], default="native")
     group.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     group.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    group.add_argument("--cuda-graphs", choices=["on", "off"], default=None,
+                       help="replay decode and verify steps as CUDA graphs (native backend; default: on "
+                            "for a CUDA device, never elsewhere)")
     group.add_argument("--num-slots", type=int, default=8, help=num_slots_help)
     group.add_argument("--max-context", type=int, default=None, help="tokens per session (default: the model's)")
     group.add_argument("--session-ttl", type=float, default=600.0, help="seconds before an idle session expires")
@@ -48,6 +51,7 @@ def add_model_arguments(group: Any, *, num_slots_help: str) -> None:
 def model_settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The add_model_arguments flags as keyword arguments of a service's settings."""
     return {"backend": args.backend, "device": args.device, "dtype": args.dtype, "num_slots": args.num_slots,
+            "cuda_graphs": cuda_graphs_flag(args.cuda_graphs),
             "max_context": args.max_context, "session_ttl_s": args.session_ttl, "ready_file": args.ready_file}
 
 
@@ -82,6 +86,11 @@ def add_batching_arguments(group: Any, *, what: str) -> None:
 
 def batch_settings_from_args(args: argparse.Namespace) -> BatchSettings:
     return BatchSettings(args.max_batch_size, args.batch_wait_ms / 1000, args.batch_gather)
+
+
+def cuda_graphs_flag(value: str | None) -> bool | None:
+    """--cuda-graphs on|off|(not given) -> True | False | None (the loader decides by device)."""
+    return None if value is None else value == "on"
 
 
 def check_model_settings(num_slots: int, max_context: int | None, session_ttl_s: float) -> None:
