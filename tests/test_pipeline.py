@@ -292,3 +292,49 @@ def test_a_wrong_guess_is_a_miss_and_never_verified(tiny_dirs):
     assert (stats.pipeline_wrong_guesses, stats.pipeline_rejected_last) == (wrong_guesses, rejected_last)
     assert wrong_guesses > 0 and rejected_last > 0
     assert hits > 0 and misses > 0
+
+
+class FailingDraft(LocalDraft):
+    """A draft whose speculative calls fail from the `speculative_from`-th on, and whose ordinary
+    calls fail in the `ordinary_failures` range (0-based call counts)."""
+
+    def __init__(self, engine, speculative_from: int, ordinary_failures: range):
+        super().__init__(engine)
+        self.speculative_from, self.ordinary_failures = speculative_from, ordinary_failures
+        self.calls = {True: 0, False: 0}
+
+    async def propose(self, *args, speculative=False, **kwargs):
+        index = self.calls[speculative]
+        self.calls[speculative] += 1
+        if (index >= self.speculative_from) if speculative else (index in self.ordinary_failures):
+            raise RuntimeError("draft down")
+        return await super().propose(*args, speculative=speculative, **kwargs)
+
+
+def test_a_failing_draft_never_fails_a_pipelined_request(tiny_dirs):
+    """Failed speculative calls cost only pipelining; failed ordinary ones fall back to plain
+    decoding (and speculation resumes later); the output is plain decoding's either way."""
+    from specdec.generation.loop import SpeculativeLoop, start_generation
+
+    prompt = PROMPTS[0]
+    plain, _ = run(tiny_dirs["target"], None, prompt, GREEDY, pipelining=False, max_new_tokens=60)
+    target = TargetEngine(model(tiny_dirs["target"]))
+    draft = FailingDraft(draft_engine("same", tiny_dirs), speculative_from=3, ordinary_failures=range(2, 4))
+
+    async def main():
+        cursor, first = await start_generation(LocalTarget(target), "s", prompt, GREEDY)
+        stop = StopChecker(60, ())
+        stop.check([first])
+        loop = SpeculativeLoop(LocalTarget(target), draft, LoopSettings(num_draft_tokens=3, pipelining=True,
+                                                                        retry_draft_after=2))
+
+        async def emit(tokens):
+            pass
+
+        result = await loop.run(cursor, stop, emit)
+        return [first] + result.token_ids, result.stats
+
+    tokens, stats = asyncio.run(main())
+    assert tokens == plain
+    assert draft.calls[True] > 3 and draft.calls[False] > 4  # failures happened, speculation went on
+    assert stats.fallbacks == 2 and 0 < stats.pipeline_hits <= 3  # only the first 3 speculative calls worked
