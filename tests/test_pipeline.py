@@ -338,3 +338,53 @@ def test_a_failing_draft_never_fails_a_pipelined_request(tiny_dirs):
     assert tokens == plain
     assert draft.calls[True] > 3 and draft.calls[False] > 4  # failures happened, speculation went on
     assert stats.fallbacks == 2 and 0 < stats.pipeline_hits <= 3  # only the first 3 speculative calls worked
+
+
+def test_the_full_acceptance_gate_stops_and_keeps_pipelining(tiny_dirs):
+    """pipeline_min_full_accept: a draft that never has a block accepted whole (random weights)
+    stops speculating after a few cycles; an identical one keeps pipelining. Output unchanged."""
+    from specdec.generation.loop import SpeculativeLoop, start_generation
+
+    def pipelined_cycles(kind: str, gate: float):
+        target = TargetEngine(model(tiny_dirs["target"]))
+
+        async def main():
+            cursor, first = await start_generation(LocalTarget(target), "s", PROMPTS[0], GREEDY)
+            stop = StopChecker(60, ())
+            stop.check([first])
+            settings = LoopSettings(num_draft_tokens=3, pipelining=True, pipeline_min_full_accept=gate)
+            loop = SpeculativeLoop(LocalTarget(target), LocalDraft(draft_engine(kind, tiny_dirs)), settings)
+
+            async def emit(tokens):
+                pass
+
+            result = await loop.run(cursor, stop, emit)
+            return [first] + result.token_ids, result.stats
+
+        return asyncio.run(main())
+
+    plain, _ = run(tiny_dirs["target"], None, PROMPTS[0], GREEDY, pipelining=False, max_new_tokens=60)
+    for kind, gate in (("random", 0.0), ("random", 0.5), ("same", 0.5)):
+        tokens, stats = pipelined_cycles(kind, gate)
+        assert tokens == plain
+        attempts = stats.pipeline_hits + stats.pipeline_misses
+        if kind == "same":
+            assert stats.pipeline_misses == 0 and attempts >= stats.cycles - 2
+        elif gate:  # 1.0 decays by 10% per cycle: below 0.5 from the 7th wholly rejected block on
+            assert attempts == 7
+        else:  # every cycle but the last few, where the budget leaves no room for a child
+            assert attempts >= stats.cycles - 5
+
+
+@pytest.mark.parametrize("flag, pipelining, gate", [("off", False, 0.0), ("on", True, 0.0), ("auto", True, 0.2)])
+def test_coordinator_pipelining_flag(flag, pipelining, gate):
+    import argparse
+
+    from coordinator.settings import add_arguments, settings_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, environ={})
+    args = parser.parse_args(["--plaintext", "--tokenizer", "t", "--redis-url", "redis://x", "--target-plaintext",
+                              "--draft-plaintext", "--pipelining", flag])
+    settings = settings_from_args(args)
+    assert (settings.pipelining, settings.pipelining_min_full_accept) == (pipelining, gate)

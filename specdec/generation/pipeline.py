@@ -36,6 +36,8 @@ if TYPE_CHECKING:  # the loop imports this module; the type alone goes the other
 
 log = logging.getLogger(__name__)
 
+FULL_ACCEPT_GAIN = 0.1  # weight of the newest cycle in the full-acceptance average (about the last 10)
+
 
 def is_hit(parent: Proposal, outcome: VerifyOutcome, child: Proposal | None) -> bool:
     """The speculative child is valid: its parent was verified in full (not trimmed by a loaded
@@ -69,6 +71,10 @@ class PipelinedDrafting:
     def __init__(self, loop: "SpeculativeLoop"):
         self.loop = loop
         self.ready: Proposal | None = None  # a hit's speculative block, not verified yet
+        # Recent share of verified blocks accepted whole: a hit needs one, so it bounds the hit rate.
+        # Observed on every cycle, speculative or not, so the gate reopens by itself. Starts at 1:
+        # pipeline until the session shows it does not pay.
+        self.full_accept_rate = 1.0
 
     async def speculate(
         self, cursor: "SessionCursor", k: int, stats: SpeculationStats, stop: StopChecker
@@ -97,6 +103,8 @@ class PipelinedDrafting:
             # A proposer that drafted nothing here (an n-gram lookup without a match) has no guess for
             # this very position either: the speculative call could only miss, so save its round trip.
             child_k = 0
+        if self.full_accept_rate < loop.settings.pipeline_min_full_accept:
+            child_k = 0  # too few blocks are accepted whole for a speculative draft to pay
         outcome, child = await asyncio.gather(
             self._verify(cursor, proposal),
             self._propose_child(cursor, proposal, child_k) if child_k > 0 else _none(),
@@ -105,6 +113,9 @@ class PipelinedDrafting:
         stats.verify_seconds += verified_at - drafted_at
         new_tokens = loop._apply_outcome(cursor, proposal, outcome, stats, drafted_at - started,
                                          verified_at - drafted_at)
+        if proposal.block.num_tokens:
+            whole = float(outcome.num_accepted == proposal.block.num_tokens)
+            self.full_accept_rate += FULL_ACCEPT_GAIN * (whole - self.full_accept_rate)
         if child is not None:
             hit = is_hit(proposal, outcome, child)
             stats.record_pipeline(hit, None if hit else miss_kind(proposal, outcome, child))
