@@ -97,14 +97,7 @@ class PipelinedDrafting:
                 return None
         drafted_at = time.perf_counter()
         stats.draft_seconds += drafted_at - started
-        # The child's length as if it were drafted after P's verify: P's tokens and the bonus come first.
-        child_k = loop._draft_length(cursor, stop, ahead=proposal.block.num_tokens + 1)
-        if proposal.block.num_tokens == 0:
-            # A proposer that drafted nothing here (an n-gram lookup without a match) has no guess for
-            # this very position either: the speculative call could only miss, so save its round trip.
-            child_k = 0
-        if self.full_accept_rate < loop.settings.pipeline_min_full_accept:
-            child_k = 0  # too few blocks are accepted whole for a speculative draft to pay
+        child_k = self._child_length(cursor, stop, proposal)
         outcome, child = await asyncio.gather(
             self._verify(cursor, proposal),
             self._propose_child(cursor, proposal, child_k) if child_k > 0 else _none(),
@@ -125,6 +118,17 @@ class PipelinedDrafting:
             else:
                 self._drop_child(cursor, proposal, len(new_tokens))
         return new_tokens
+
+    def _child_length(self, cursor: "SessionCursor", stop: StopChecker, parent: Proposal) -> int:
+        """Tokens to draft speculatively after `parent` and the guess; 0: no speculative call."""
+        if parent.block.num_tokens == 0:
+            # A proposer that drafted nothing here (an n-gram lookup without a match) has no guess for
+            # this very position either: the speculative call could only miss, so save its round trip.
+            return 0
+        if self.full_accept_rate < self.loop.settings.pipeline_min_full_accept:
+            return 0  # too few blocks are accepted whole for a speculative draft to pay
+        # As if drafted after the parent's verify: the parent's tokens and the bonus come first.
+        return self.loop._draft_length(cursor, stop, ahead=parent.block.num_tokens + 1)
 
     async def _verify(self, cursor: "SessionCursor", proposal: Proposal) -> VerifyOutcome:
         with self.loop.observer.step("verify"):
