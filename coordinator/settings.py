@@ -26,6 +26,10 @@ from coordinator.requests import Limits, Pool
 SERVICE = "coordinator"
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9101
+# --pipelining auto: a session pipelines while at least this share of its blocks is accepted whole. On
+# shared CPU cores a miss's speculative draft slows the verify (BENCHMARKS.md, "Pipelined drafting":
+# 3-4% whole blocks cost 10-25%, 65% gained); a guess, not a tuned optimum.
+AUTO_MIN_FULL_ACCEPT = 0.2
 DRAFT_TIMEOUT_S = 5.0  # a slow draft only costs speed: give up on it soon and decode plainly
 
 
@@ -45,6 +49,7 @@ class CoordinatorSettings:
     adaptive_draft_length: bool = True
     retry_draft_after: int = 8
     pipelining: bool = False  # draft the next block while the target verifies (requests may override)
+    pipelining_min_full_accept: float = 0.0  # --pipelining auto: only while blocks are accepted whole this often
     limits: Limits = Limits()
     session_ttl_s: float = 3600.0
     owner_lease_s: float = 10.0
@@ -61,6 +66,8 @@ class CoordinatorSettings:
             raise ConfigError(f"--num-draft-tokens must be in [1, --max-draft-tokens], got {self.num_draft_tokens}")
         if not 1 <= self.limits.default_max_new_tokens <= self.limits.max_new_tokens_limit:
             raise ConfigError("--max-new-tokens must be in [1, --max-new-tokens-limit]")
+        if not 0.0 <= self.pipelining_min_full_accept <= 1.0:
+            raise ConfigError(f"--pipelining-min-full-accept must be in [0, 1], got {self.pipelining_min_full_accept}")
         if self.retry_draft_after < 0:
             raise ConfigError(f"--retry-draft-after must be >= 0, got {self.retry_draft_after}")
         for name in ("session_ttl_s", "owner_lease_s", "failover_timeout_s", "redis_timeout_s"):
@@ -98,10 +105,14 @@ def add_arguments(parser: argparse.ArgumentParser, environ=os.environ) -> None:
                    help="adaptive: per session, from measured acceptance and costs (requests naming "
                         "num_draft_tokens get that fixed length); fixed: --num-draft-tokens")
     g.add_argument("--max-draft-tokens", type=int, default=16, help="largest draft length a request may ask for")
-    g.add_argument("--pipelining", choices=["on", "off"], default="off",
+    g.add_argument("--pipelining", choices=["on", "off", "auto"], default="off",
                    help="on: the draft drafts the next block while the target verifies the current one "
-                        "(hides the draft's time on a hit; lossless either way); off: sequential cycles. "
-                        "A request's speculation.pipelined overrides it")
+                        "(hides the draft's time on a hit; lossless either way); off: sequential cycles; "
+                        "auto: on per session while its recent share of wholly accepted blocks (which "
+                        "bounds the hit rate) is at least --pipelining-min-full-accept. A request's "
+                        "speculation.pipelined overrides it (true: on)")
+    g.add_argument("--pipelining-min-full-accept", type=float, default=AUTO_MIN_FULL_ACCEPT,
+                   help="the share of wholly accepted blocks below which --pipelining auto drafts sequentially")
     g.add_argument("--retry-draft-after", type=int, default=8,
                    help="plain decoding steps after a draft failure before speculation is tried again")
     g.add_argument("--max-new-tokens", type=int, default=256, help="a turn's budget when the request sets none")
@@ -132,7 +143,8 @@ def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
         tokenizer=args.tokenizer, redis_url=args.redis_url, targets=tuple(args.target), drafts=tuple(args.draft),
         redis_prefix=args.redis_prefix, default_pool=Pool(args.default_pool),
         num_draft_tokens=args.num_draft_tokens, adaptive_draft_length=args.draft_length == "adaptive",
-        retry_draft_after=args.retry_draft_after, pipelining=args.pipelining == "on",
+        retry_draft_after=args.retry_draft_after, pipelining=args.pipelining != "off",
+        pipelining_min_full_accept=args.pipelining_min_full_accept if args.pipelining == "auto" else 0.0,
         limits=Limits(args.max_new_tokens, args.max_new_tokens_limit, args.max_draft_tokens),
         session_ttl_s=args.session_ttl, owner_lease_s=args.owner_lease, failover_timeout_s=args.failover_timeout,
         redis_timeout_s=args.redis_timeout,

@@ -68,6 +68,7 @@ class TurnSettings:
     adaptive: bool = True  # a request naming no draft length gets an adaptive one
     max_adaptive_tokens: int = 8
     pipelining: bool = False  # a request not naming speculation.pipelined gets this (--pipelining)
+    pipelining_min_full_accept: float = 0.0  # --pipelining auto's gate; a request asking for pipelining gets 0
 
 
 @dataclass(frozen=True)
@@ -189,9 +190,10 @@ class Turn:
         fixed = plan.turn.num_draft_tokens
         adaptive = not fixed and self.settings.adaptive
         pipelining = self.settings.pipelining if plan.turn.pipelined is None else plan.turn.pipelined
+        gate = self.settings.pipelining_min_full_accept if plan.turn.pipelined is None else 0.0
         loop_settings = LoopSettings(fixed or self.settings.num_draft_tokens, self.settings.retry_draft_after,
                                      adaptive=adaptive, max_draft_tokens=self.settings.max_adaptive_tokens,
-                                     pipelining=pipelining)
+                                     pipelining=pipelining, pipeline_min_full_accept=gate)
         loop = SpeculativeLoop(self.target, self.draft, loop_settings, self.observer)
         return await loop.run(self.cursor, self.stop, self._emit)
 

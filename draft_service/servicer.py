@@ -40,7 +40,7 @@ from specdec.errors import (
 from specdec.models.base import ModelInfo
 from specdec.observability.metrics import DraftMetrics
 from specdec.observability.spans import SPECDEC_NUM_DRAFT_TOKENS, SPECDEC_POSITION
-from specdec.rpc import ACTUAL_POSITION_KEY, LATEST_EPOCH_KEY, draft_pb2, draft_pb2_grpc
+from specdec.rpc import ACTUAL_POSITION_KEY, LATEST_EPOCH_KEY, LIVE_EPOCHS_KEY, draft_pb2, draft_pb2_grpc
 from specdec.rpc_convert import model_info_to_proto, pack_distributions, sampling_params_from_proto
 from specdec.server.bootstrap import ModelExecutor
 from specdec.server.service import BatchSettings
@@ -68,6 +68,7 @@ class _Mismatch:
     error: Exception
     length: int
     latest_epoch: int
+    live_epochs: tuple[int, ...] = ()
 
 
 def _start(engine: DraftEngine, session_id: str, tokens: list[int], params) -> int:
@@ -88,7 +89,8 @@ def _propose_batch(engine: DraftEngine, works: list[ProposeWork]) -> list[Propos
     for index, (work, result) in enumerate(zip(works, results)):
         if isinstance(result, (PositionMismatch, EpochMismatch)):
             state = engine.sessions.get(work.session_id)
-            results[index] = _Mismatch(result, state.position, state.epoch)
+            results[index] = _Mismatch(result, state.position, state.epoch,
+                                       tuple(p.epoch for p in state.chain.live))
     return results
 
 
@@ -145,7 +147,8 @@ class DraftServicer(EngineServicer, draft_pb2_grpc.DraftServiceServicer):
                         request.speculative)
         )
         if isinstance(result, _Mismatch):
-            trailing = ((ACTUAL_POSITION_KEY, str(result.length)), (LATEST_EPOCH_KEY, str(result.latest_epoch)))
+            trailing = ((ACTUAL_POSITION_KEY, str(result.length)), (LATEST_EPOCH_KEY, str(result.latest_epoch)),
+                        (LIVE_EPOCHS_KEY, ",".join(map(str, result.live_epochs))))
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(result.error), trailing)
         num_drafted = result.block.num_tokens
         step = "propose_speculative" if request.speculative else "propose"

@@ -23,10 +23,13 @@ from specdec.v1 import target_pb2, target_pb2_grpc  # noqa: E402
 # session's actual position and, from the draft service, its newest live proposal's epoch.
 ACTUAL_POSITION_KEY = "specdec-actual-position"
 LATEST_EPOCH_KEY = "specdec-latest-epoch"
+# Every live proposal's epoch, comma-separated, oldest first (pipelining: the newest is not the only one).
+LIVE_EPOCHS_KEY = "specdec-live-epochs"
 
 __all__ = [
     "ACTUAL_POSITION_KEY",
     "LATEST_EPOCH_KEY",
+    "LIVE_EPOCHS_KEY",
     "common_pb2",
     "coordinator_pb2",
     "coordinator_pb2_grpc",

@@ -15,7 +15,7 @@ import torch
 import specdec
 from specdec.errors import InvalidArgument
 from specdec.models.base import ModelInfo
-from specdec.rpc import ACTUAL_POSITION_KEY, LATEST_EPOCH_KEY, common_pb2, target_pb2
+from specdec.rpc import ACTUAL_POSITION_KEY, LATEST_EPOCH_KEY, LIVE_EPOCHS_KEY, common_pb2, target_pb2
 from specdec.sampling.params import SamplingMode, SamplingParams
 from specdec.types import DraftBlock, VerifyOutcome
 
@@ -193,6 +193,18 @@ def actual_position(error: object) -> int | None:
 def latest_epoch(error: object) -> int | None:
     """The draft session's newest live proposal from a Propose mismatch, or None."""
     return _trailing_int(error, LATEST_EPOCH_KEY)
+
+
+def live_epochs(error: object) -> list[int] | None:
+    """The draft session's live proposals from a Propose mismatch, or None (an older server)."""
+    trailing = getattr(error, "trailing_metadata", None)
+    for item_key, value in (trailing() if callable(trailing) else None) or ():
+        if item_key == LIVE_EPOCHS_KEY:
+            try:
+                return [int(v) for v in value.split(",") if v]
+            except (TypeError, ValueError, AttributeError):
+                return None
+    return None
 
 
 def _trailing_int(error: object, key: str) -> int | None:

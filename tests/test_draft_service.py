@@ -27,7 +27,7 @@ from specdec.generation.stopping import StopChecker
 from specdec.models.loader import load_model
 from specdec.models.tokenizer import load_tokenizer, vocab_fingerprint
 from specdec.proposers.draft_model import DraftModelProposer
-from specdec.rpc import ACTUAL_POSITION_KEY, LATEST_EPOCH_KEY, common_pb2, draft_pb2, draft_pb2_grpc
+from specdec.rpc import ACTUAL_POSITION_KEY, LATEST_EPOCH_KEY, LIVE_EPOCHS_KEY, common_pb2, draft_pb2, draft_pb2_grpc
 from specdec.sampling.params import SamplingMode, SamplingParams
 from specdec.server.settings import ClientSettings
 from specdec.testing.tiny_models import TINY_EOS_ID
@@ -228,6 +228,14 @@ async def test_speculative_proposals_over_grpc(services):
                     session_id="spec", parent_epoch=first.epoch, keep_position=keep, append_token_ids=appended,
                     speculative=True))
             assert err.value.code() == Code.INVALID_ARGUMENT and message in err.value.details()
+        # A keep outside the live (but not newest) parent's span is a position refusal, not an epoch one.
+        with pytest.raises(errors.PositionMismatch):
+            await draft.propose("spec", len(prompt) - 1, [5], 3, parent_epoch=first.epoch)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Propose(draft_pb2.DraftServiceProposeRequest(
+                session_id="spec", parent_epoch=first.epoch, keep_position=len(prompt) - 1, append_token_ids=[5]))
+        assert dict(err.value.trailing_metadata())[LIVE_EPOCHS_KEY] == "1,2"
+        assert "span [6, 8]" in err.value.details()
         # A miss: the parent's outcome (1 accepted, then a recovered token) discards the child.
         recovered = (first.block.token_ids[1].item() + 1) % 256
         redraft = await draft.propose("spec", len(prompt) + 1, [recovered], 3, parent_epoch=first.epoch)

@@ -292,3 +292,99 @@ def test_a_wrong_guess_is_a_miss_and_never_verified(tiny_dirs):
     assert (stats.pipeline_wrong_guesses, stats.pipeline_rejected_last) == (wrong_guesses, rejected_last)
     assert wrong_guesses > 0 and rejected_last > 0
     assert hits > 0 and misses > 0
+
+
+class FailingDraft(LocalDraft):
+    """A draft whose speculative calls fail from the `speculative_from`-th on, and whose ordinary
+    calls fail in the `ordinary_failures` range (0-based call counts)."""
+
+    def __init__(self, engine, speculative_from: int, ordinary_failures: range):
+        super().__init__(engine)
+        self.speculative_from, self.ordinary_failures = speculative_from, ordinary_failures
+        self.calls = {True: 0, False: 0}
+
+    async def propose(self, *args, speculative=False, **kwargs):
+        index = self.calls[speculative]
+        self.calls[speculative] += 1
+        if (index >= self.speculative_from) if speculative else (index in self.ordinary_failures):
+            raise RuntimeError("draft down")
+        return await super().propose(*args, speculative=speculative, **kwargs)
+
+
+def test_a_failing_draft_never_fails_a_pipelined_request(tiny_dirs):
+    """Failed speculative calls cost only pipelining; failed ordinary ones fall back to plain
+    decoding (and speculation resumes later); the output is plain decoding's either way."""
+    from specdec.generation.loop import SpeculativeLoop, start_generation
+
+    prompt = PROMPTS[0]
+    plain, _ = run(tiny_dirs["target"], None, prompt, GREEDY, pipelining=False, max_new_tokens=60)
+    target = TargetEngine(model(tiny_dirs["target"]))
+    draft = FailingDraft(draft_engine("same", tiny_dirs), speculative_from=3, ordinary_failures=range(2, 4))
+
+    async def main():
+        cursor, first = await start_generation(LocalTarget(target), "s", prompt, GREEDY)
+        stop = StopChecker(60, ())
+        stop.check([first])
+        loop = SpeculativeLoop(LocalTarget(target), draft, LoopSettings(num_draft_tokens=3, pipelining=True,
+                                                                        retry_draft_after=2))
+
+        async def emit(tokens):
+            pass
+
+        result = await loop.run(cursor, stop, emit)
+        return [first] + result.token_ids, result.stats
+
+    tokens, stats = asyncio.run(main())
+    assert tokens == plain
+    assert draft.calls[True] > 3 and draft.calls[False] > 4  # failures happened, speculation went on
+    assert stats.fallbacks == 2 and 0 < stats.pipeline_hits <= 3  # only the first 3 speculative calls worked
+
+
+def test_the_full_acceptance_gate_stops_and_keeps_pipelining(tiny_dirs):
+    """pipeline_min_full_accept: a draft that never has a block accepted whole (random weights)
+    stops speculating after a few cycles; an identical one keeps pipelining. Output unchanged."""
+    from specdec.generation.loop import SpeculativeLoop, start_generation
+
+    def pipelined_cycles(kind: str, gate: float):
+        target = TargetEngine(model(tiny_dirs["target"]))
+
+        async def main():
+            cursor, first = await start_generation(LocalTarget(target), "s", PROMPTS[0], GREEDY)
+            stop = StopChecker(60, ())
+            stop.check([first])
+            settings = LoopSettings(num_draft_tokens=3, pipelining=True, pipeline_min_full_accept=gate)
+            loop = SpeculativeLoop(LocalTarget(target), LocalDraft(draft_engine(kind, tiny_dirs)), settings)
+
+            async def emit(tokens):
+                pass
+
+            result = await loop.run(cursor, stop, emit)
+            return [first] + result.token_ids, result.stats
+
+        return asyncio.run(main())
+
+    plain, _ = run(tiny_dirs["target"], None, PROMPTS[0], GREEDY, pipelining=False, max_new_tokens=60)
+    for kind, gate in (("random", 0.0), ("random", 0.5), ("same", 0.5)):
+        tokens, stats = pipelined_cycles(kind, gate)
+        assert tokens == plain
+        attempts = stats.pipeline_hits + stats.pipeline_misses
+        if kind == "same":
+            assert stats.pipeline_misses == 0 and attempts >= stats.cycles - 2
+        elif gate:  # 1.0 decays by 10% per cycle: below 0.5 from the 7th wholly rejected block on
+            assert attempts == 7
+        else:  # every cycle but the last few, where the budget leaves no room for a child
+            assert attempts >= stats.cycles - 5
+
+
+@pytest.mark.parametrize("flag, pipelining, gate", [("off", False, 0.0), ("on", True, 0.0), ("auto", True, 0.2)])
+def test_coordinator_pipelining_flag(flag, pipelining, gate):
+    import argparse
+
+    from coordinator.settings import add_arguments, settings_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, environ={})
+    args = parser.parse_args(["--plaintext", "--tokenizer", "t", "--redis-url", "redis://x", "--target-plaintext",
+                              "--draft-plaintext", "--pipelining", flag])
+    settings = settings_from_args(args)
+    assert (settings.pipelining, settings.pipelining_min_full_accept) == (pipelining, gate)

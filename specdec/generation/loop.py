@@ -38,6 +38,9 @@ class LoopSettings:
     adaptive: bool = False  # adapt the draft length to measured acceptance and costs (adaptive.py)
     max_draft_tokens: int = 8  # the longest draft adaptation may choose
     pipelining: bool = False  # draft the next block while the target verifies (pipeline.py)
+    # Pipelining only while the session's recent share of wholly accepted blocks (an upper bound on
+    # the hit rate) is at least this; 0: always. Misses cost draft work that may share the hardware.
+    pipeline_min_full_accept: float = 0.0
 
 
 @dataclass

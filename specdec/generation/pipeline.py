@@ -36,6 +36,8 @@ if TYPE_CHECKING:  # the loop imports this module; the type alone goes the other
 
 log = logging.getLogger(__name__)
 
+FULL_ACCEPT_GAIN = 0.1  # weight of the newest cycle in the full-acceptance average (about the last 10)
+
 
 def is_hit(parent: Proposal, outcome: VerifyOutcome, child: Proposal | None) -> bool:
     """The speculative child is valid: its parent was verified in full (not trimmed by a loaded
@@ -69,6 +71,10 @@ class PipelinedDrafting:
     def __init__(self, loop: "SpeculativeLoop"):
         self.loop = loop
         self.ready: Proposal | None = None  # a hit's speculative block, not verified yet
+        # Recent share of verified blocks accepted whole: a hit needs one, so it bounds the hit rate.
+        # Observed on every cycle, speculative or not, so the gate reopens by itself. Starts at 1:
+        # pipeline until the session shows it does not pay.
+        self.full_accept_rate = 1.0
 
     async def speculate(
         self, cursor: "SessionCursor", k: int, stats: SpeculationStats, stop: StopChecker
@@ -91,8 +97,7 @@ class PipelinedDrafting:
                 return None
         drafted_at = time.perf_counter()
         stats.draft_seconds += drafted_at - started
-        # The child's length as if it were drafted after P's verify: P's tokens and the bonus come first.
-        child_k = loop._draft_length(cursor, stop, ahead=proposal.block.num_tokens + 1)
+        child_k = self._child_length(cursor, stop, proposal)
         outcome, child = await asyncio.gather(
             self._verify(cursor, proposal),
             self._propose_child(cursor, proposal, child_k) if child_k > 0 else _none(),
@@ -101,6 +106,9 @@ class PipelinedDrafting:
         stats.verify_seconds += verified_at - drafted_at
         new_tokens = loop._apply_outcome(cursor, proposal, outcome, stats, drafted_at - started,
                                          verified_at - drafted_at)
+        if proposal.block.num_tokens:
+            whole = float(outcome.num_accepted == proposal.block.num_tokens)
+            self.full_accept_rate += FULL_ACCEPT_GAIN * (whole - self.full_accept_rate)
         if child is not None:
             hit = is_hit(proposal, outcome, child)
             stats.record_pipeline(hit, None if hit else miss_kind(proposal, outcome, child))
@@ -110,6 +118,17 @@ class PipelinedDrafting:
             else:
                 self._drop_child(cursor, proposal, len(new_tokens))
         return new_tokens
+
+    def _child_length(self, cursor: "SessionCursor", stop: StopChecker, parent: Proposal) -> int:
+        """Tokens to draft speculatively after `parent` and the guess; 0: no speculative call."""
+        if parent.block.num_tokens == 0:
+            # A proposer that drafted nothing here (an n-gram lookup without a match) has no guess for
+            # this very position either: the speculative call could only miss, so save its round trip.
+            return 0
+        if self.full_accept_rate < self.loop.settings.pipeline_min_full_accept:
+            return 0  # too few blocks are accepted whole for a speculative draft to pay
+        # As if drafted after the parent's verify: the parent's tokens and the bonus come first.
+        return self.loop._draft_length(cursor, stop, ahead=parent.block.num_tokens + 1)
 
     async def _verify(self, cursor: "SessionCursor", proposal: Proposal) -> VerifyOutcome:
         with self.loop.observer.step("verify"):

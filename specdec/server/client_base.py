@@ -17,7 +17,7 @@ import grpc.aio
 
 from specdec import errors
 from specdec.rpc import common_pb2
-from specdec.rpc_convert import actual_position, latest_epoch
+from specdec.rpc_convert import actual_position, latest_epoch, live_epochs
 from specdec.server.credentials import create_channel
 from specdec.server.settings import ClientSettings
 
@@ -34,8 +34,8 @@ def domain_error(
 ) -> Exception:
     """The domain error a gRPC status from `service` (e.g. "target service") stands for.
 
-    FAILED_PRECONDITION -> EpochMismatch when the session's latest epoch ("specdec-latest-epoch") is
-    not the parent_epoch named (a draft's Propose), else PositionMismatch with the actual position
+    FAILED_PRECONDITION -> EpochMismatch when the parent_epoch named (a draft's Propose) is not live
+    ("specdec-live-epochs"; from an older server: not its latest epoch, "specdec-latest-epoch"), else PositionMismatch with the actual position
     ("specdec-actual-position") when the call named a position, else IncompatibleModels; NOT_FOUND
     -> SessionNotFound; ALREADY_EXISTS -> SessionExists; INVALID_ARGUMENT -> InvalidArgument;
     RESOURCE_EXHAUSTED -> CacheFull; UNAVAILABLE / DEADLINE_EXCEEDED -> ServiceUnavailable. Other
@@ -43,9 +43,10 @@ def domain_error(
     """
     code, details = err.code(), err.details() or err.code().name
     if code == grpc.StatusCode.FAILED_PRECONDITION:
-        latest, actual = latest_epoch(err), actual_position(err)
-        if latest is not None and parent_epoch and latest != parent_epoch:
-            return errors.EpochMismatch(session_id, expected=parent_epoch, actual=latest)
+        latest, actual, live = latest_epoch(err), actual_position(err), live_epochs(err)
+        not_live = parent_epoch not in live if live is not None else latest != parent_epoch
+        if latest is not None and parent_epoch and not_live:
+            return errors.EpochMismatch(session_id, expected=parent_epoch, actual=latest, live=live)
         if actual is not None and position is not None:
             return errors.PositionMismatch(session_id, expected=position, actual=actual)
         return errors.IncompatibleModels(details)
