@@ -143,13 +143,15 @@ class Bench:
 
         c = self.config
         torch.set_num_threads(c.threads)
-        load = lambda d, device: load_model(d, backend=c.backend, device=device, dtype=c.dtype, num_slots=2,  # noqa: E731
-                                            cuda_graphs=c.cuda_graphs, max_context=c.max_context)
+        load = lambda d, device, **kw: load_model(d, backend=c.backend, device=device, dtype=c.dtype,  # noqa: E731
+                                                  num_slots=2, cuda_graphs=c.cuda_graphs, max_context=c.max_context,
+                                                  **kw)
         self.inproc_models = {"target": load(self.target_dir, c.device)}
         target = TargetEngine(self.inproc_models["target"])
         drafts = {"ngram": DraftEngine(NgramProposer())}
         if self.draft_dir is not None:
-            self.inproc_models["draft"] = load(self.draft_dir, c.draft_device or c.device)
+            # The draft service's default head ("auto": reduced on CPU), so t_draft is what it pays.
+            self.inproc_models["draft"] = load(self.draft_dir, c.draft_device or c.device, head_vocab="auto")
             drafts["draft-model"] = DraftEngine(DraftModelProposer(self.inproc_models["draft"], top_m=0))
         plain = InProcessPlain(target, self.eos)
         if "plain-inproc" in self.methods:
