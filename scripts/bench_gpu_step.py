@@ -7,8 +7,9 @@ memory-bandwidth floor (weight bytes / measured device-to-device copy bandwidth)
 A shape RxT is R rows (sessions) of T new tokens each (1: a decode step; k + 1: a verify of k drafted
 tokens), every row at the same context. Variants, timed interleaved repetition by repetition:
   eager-repeat-kv  the eager forward as it was before CUDA graphs (SDPA's GQA repeats keys/values)
-  eager            the eager forward with grouped queries (the CUDA default now)
-  graphs           the static-shape forward replayed as a CUDA graph (models/cuda_graphs.py)
+  eager-cast-norm  grouped queries, RMSNorm in four kernels (transformers' rounding order)
+  graphs-cast-norm the static-shape forward replayed as a CUDA graph (models/cuda_graphs.py), same norm
+  eager, graphs    the same with the fused RMSNorm (the CUDA default now)
 With --weights-nt, the weights are then stored [out, in] (F.linear's own layout, gpt-fast's) instead
 of the dense kernel's [in, out], and eager-nt / graphs-nt are timed on the same shapes.
 Each forward is timed host to host (synchronize before and after), so launch overhead counts, and
@@ -92,15 +93,15 @@ def time_shapes(model, slots, args, variants, gen, out, check=("eager", "graphs"
         rows = [torch.randint(0, vocab, (width,), generator=gen).tolist() for _ in use]
         logits = {}
         for label in check:
-            model.graphs, model.group_queries = variants[label]
+            model.graphs, model.group_queries, model.fuse_norm = variants[label]
             logits[label] = torch.cat(model.forward(use, rows))
             for slot, start in zip(use, starts):
                 model.truncate(slot, start)
         want, got = logits[check[0]], logits[check[1]]
         times = {label: [] for label in variants}
         for repeat in range(args.repeats + 3):
-            for label, (graphs, grouped) in variants.items():
-                model.graphs, model.group_queries = graphs, grouped
+            for label, (graphs, grouped, fused) in variants.items():
+                model.graphs, model.group_queries, model.fuse_norm = graphs, grouped, fused
                 elapsed = timed(model, use, rows, starts)
                 if repeat >= 3:
                     times[label].append(elapsed)
@@ -135,16 +136,21 @@ def run_model(spec: str, args) -> dict:
            "dtype": args.dtype, "context": args.context, "max_context": args.max_context, **sizes,
            "copy_bandwidth_bytes_per_s": bandwidth, "floor_s": sizes["all_weights"] / bandwidth,
            "floor_read_per_step_s": sizes["read_per_step"] / bandwidth, "shapes": {}}
-    variants = {"eager-repeat-kv": (None, False), "eager": (None, True), "graphs": (runner, True)}
+    from specdec.models.cuda_graphs import GraphRunner
+
+    # (graphs, grouped queries, fused norm); the cast-norm graphs need their own captures
+    cast_runner = GraphRunner(model, capture=model.device.type == "cuda")
+    variants = {"eager-repeat-kv": (None, False, False), "eager-cast-norm": (None, True, False),
+                "graphs-cast-norm": (cast_runner, True, False), "eager": (None, True, True),
+                "graphs": (runner, True, True)}
     time_shapes(model, slots, args, variants, gen, out)
+    out["graph_stats_cast_norm"] = vars(cast_runner.stats)
     out["graph_stats"] = vars(runner.stats)
     if args.weights_nt:
-        from specdec.models.cuda_graphs import GraphRunner
-
         runner.forwards.clear()  # the captured graphs read the old weight addresses
         to_nt(model)
         nt_runner = GraphRunner(model, capture=model.device.type == "cuda")
-        time_shapes(model, slots, args, {"eager-nt": (None, True), "graphs-nt": (nt_runner, True)}, gen, out,
+        time_shapes(model, slots, args, {"eager-nt": (None, True, True), "graphs-nt": (nt_runner, True, True)}, gen, out,
                     check=("eager-nt", "graphs-nt"))
         out["graph_stats_nt"] = vars(nt_runner.stats)
     del model

@@ -75,7 +75,7 @@ class StaticForward:
 
     def run(self) -> torch.Tensor:
         """The forward over the static buffers: final-normed hidden states of every token [B * T, hidden]."""
-        from specdec.models.llama import _Batch, _rms_norm
+        from specdec.models.llama import _Batch
 
         m, s = self.model, self.shape
         positions = self.positions
@@ -86,7 +86,7 @@ class StaticForward:
             slot_index=self.slot_index, first_slot=0, mask=mask, is_causal=False, logit_rows=None,
         )
         x = m._layers(F.embedding(self.tokens, m.weights.embed), batch)
-        return _rms_norm(x, m.weights.final_norm, m.config.rms_norm_eps)
+        return m._norm(x, m.weights.final_norm)
 
     def capture(self, pool) -> None:
         """Warm up on a side stream (cuBLAS and the allocator settle), then record the forward.

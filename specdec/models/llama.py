@@ -99,6 +99,10 @@ class LlamaModel:
         # SDPA can take its memory-efficient kernel with a mask on CUDA; on CPU the measured kernels
         # stay as they are.
         self.group_queries = self.device.type == "cuda"
+        # Half precision on CUDA: RMSNorm as one fused kernel (normalise in float32 inside it, scale, round
+        # once) instead of four (cast, normalise, cast back, scale): a decode step is mostly small
+        # kernels at a few microseconds each. It rounds once where transformers rounds twice.
+        self.fuse_norm = self.device.type == "cuda"
         self.graphs = None
         if cuda_graphs:
             from specdec.models.cuda_graphs import GraphRunner
@@ -181,10 +185,18 @@ class LlamaModel:
         if h is None:
             batch = self._plan(slots, token_ids, starts, lengths, num_logits)
             x = self._layers(F.embedding(batch.tokens, self.weights.embed), batch)  # [B * T, hidden]
-            h = _rms_norm(x.index_select(0, batch.logit_rows), self.weights.final_norm, self.config.rms_norm_eps)
+            h = self._norm(x.index_select(0, batch.logit_rows), self.weights.final_norm)
         logits = self.linear(h, self.weights.lm_head).float()  # [N, vocab]
         self.cache.advance(slots, lengths)
         return logits, h
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        eps = self.config.rms_norm_eps
+        if x.dtype == torch.float32 or self.fuse_norm:
+            return F.rms_norm(x, (x.shape[-1],), weight, eps)  # one call; fp32: the same order as below
+        # Normalise in float32 and cast back before the weight, the order transformers uses, so half
+        # precision rounds the same way.
+        return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype) * weight
 
     def _layers(self, x: torch.Tensor, batch: _Batch) -> torch.Tensor:
         for index, layer in enumerate(self.weights.layers):
@@ -195,7 +207,7 @@ class LlamaModel:
     def _attention(self, x: torch.Tensor, w: LayerWeights, index: int, b: _Batch) -> torch.Tensor:
         cfg = self.config
         heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        h = _rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
+        h = self._norm(x, w.attn_norm)
         qkv = self.linear(h, w.wqkv, w.bqkv).view(-1, heads + 2 * kv_heads, head_dim)  # [B * T, H + 2 KV, D]
         # RoPE on q and k in one go; rotate_half(x) = roll(x, D/2) with the sign folded into sin.
         qk = qkv[:, : heads + kv_heads]
@@ -216,7 +228,7 @@ class LlamaModel:
         return x if w.bo is None else x + w.bo
 
     def _mlp(self, x: torch.Tensor, w: LayerWeights) -> torch.Tensor:
-        h = _rms_norm(x, w.mlp_norm, self.config.rms_norm_eps)
+        h = self._norm(x, w.mlp_norm)
         gate_up = self.linear(h, w.w_gate_up, w.b_gate_up)
         gate, up = gate_up.chunk(2, dim=-1)  # [B * T, I] each
         x = self.linear.add(x, F.silu(gate) * up, w.w_down)  # SwiGLU, residual fused
@@ -303,14 +315,6 @@ def _grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
         mask = mask[:, :, None].expand(B, 1, groups, T, L).reshape(B, 1, groups * T, L)
     # reshape, not view: the memory-efficient kernel may return a transposed layout
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask).reshape(B, H, T, D)
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)  # one call; same arithmetic order as below
-    # Normalise in float32 and cast back before the weight, the order transformers uses, so half
-    # precision rounds the same way.
-    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype) * weight
 
 
 def _rope_tables(cfg: LlamaConfig, length: int, dtype: torch.dtype, device: torch.device):
