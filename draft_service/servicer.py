@@ -41,7 +41,8 @@ from specdec.models.base import ModelInfo
 from specdec.observability.metrics import DraftMetrics
 from specdec.observability.spans import SPECDEC_NUM_DRAFT_TOKENS, SPECDEC_POSITION
 from specdec.rpc import ACTUAL_POSITION_KEY, LATEST_EPOCH_KEY, draft_pb2, draft_pb2_grpc
-from specdec.rpc_convert import model_info_to_proto, pack_distributions, sampling_params_from_proto
+from specdec.rpc_convert import (model_info_to_proto, pack_distributions, sampling_params_from_proto,
+                                 server_timing_to_proto)
 from specdec.server.bootstrap import ModelExecutor
 from specdec.server.service import BatchSettings
 from specdec.server.model_servicer import SPECDEC_SESSION_ID, EngineServicer, annotate, check_session_id
@@ -144,7 +145,7 @@ class DraftServicer(EngineServicer, draft_pb2_grpc.DraftServiceServicer):
         appended = list(request.append_token_ids)
         self._check_tokens(appended, request.keep_position, "append_token_ids")
         started = time.perf_counter()
-        result = await self.batcher.submit(
+        result, timing = await self.batcher.submit_timed(
             ProposeWork(request.session_id, request.keep_position, tuple(appended), k, request.parent_epoch)
         )
         if isinstance(result, _Mismatch):
@@ -158,6 +159,7 @@ class DraftServicer(EngineServicer, draft_pb2_grpc.DraftServiceServicer):
         response = draft_pb2.DraftServiceProposeResponse(
             epoch=result.epoch, parent_epoch=request.parent_epoch, position=result.position,
             draft_token_ids=result.block.token_ids.tolist(), proposer=result.proposer, speculative=False,
+            timing=server_timing_to_proto(timing.model_ns, timing.queued_ns),
         )
         if result.block.draft_probs is not None:
             response.draft_distributions.CopyFrom(pack_distributions(result.block))

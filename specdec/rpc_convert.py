@@ -155,6 +155,19 @@ def verify_outcome_from_proto(msg: target_pb2.TargetServiceVerifyResponse) -> Ve
     )
 
 
+def server_timing_to_proto(model_ns: int, queued_ns: int) -> common_pb2.ServerTiming:
+    """What a call cost in the service: model_ns on the model thread, queued_ns before its step."""
+    return common_pb2.ServerTiming(model_ns=model_ns, queued_ns=queued_ns)
+
+
+def server_timing_seconds(response) -> tuple[float, float] | None:
+    """(model seconds, queued seconds) of a Verify, Decode or Propose response; None from a service
+    that predates ServerTiming."""
+    if not response.HasField("timing"):
+        return None
+    return response.timing.model_ns * 1e-9, response.timing.queued_ns * 1e-9
+
+
 def model_info_to_proto(
     info: ModelInfo,
     *,

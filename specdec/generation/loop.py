@@ -20,6 +20,7 @@ from typing import Awaitable, Callable, ContextManager, Sequence
 
 from specdec.engine.api import DraftAPI, TargetAPI
 from specdec.generation.adaptive import DraftLengthPolicy
+from specdec.engine.cycle_cost import CycleCost, measure_cycle
 from specdec.generation.stats import SpeculationStats
 from specdec.generation.stopping import FinishReason, StopChecker
 from specdec.sampling.params import SamplingParams
@@ -81,6 +82,9 @@ class LoopObserver:
     def fell_back(self, error: Exception) -> None:
         """The draft failed; the next cycles decode plainly."""
 
+    def cycle_cost(self, cost: CycleCost) -> None:
+        """Where the cycle's time went (called at its end, inside cycle())."""
+
 
 class SpeculativeLoop:
     def __init__(
@@ -95,6 +99,9 @@ class SpeculativeLoop:
         self.settings = settings or LoopSettings()
         self.observer = observer or LoopObserver()
         self.policy: DraftLengthPolicy | None = None
+        # (outcome or None for a plain step, draft call seconds, target call seconds) of the cycle
+        # running now, for the policy once the cycle's cost is known.
+        self._cycle_calls: tuple[VerifyOutcome | None, float, float, int] | None = None
         if self.settings.adaptive and draft is not None:
             self.policy = DraftLengthPolicy(self.settings.num_draft_tokens, self.settings.max_draft_tokens)
 
@@ -106,7 +113,7 @@ class SpeculativeLoop:
         plain_cycles_left = 0 if self.draft is not None else -1  # -1: never speculate
         index = 0
         while True:
-            with self.observer.cycle(index, cursor.position):
+            with self.observer.cycle(index, cursor.position), measure_cycle(lambda c: self._measured(c, stats)):
                 k = self._draft_length(cursor, stop)
                 new_tokens: list[int] | None = None
                 if plain_cycles_left == 0 and k > 0:
@@ -131,6 +138,25 @@ class SpeculativeLoop:
                 await self._settle_draft(cursor)
                 return GenerationResult(generated, reason, stats)
 
+    def _measured(self, cost: CycleCost, stats: SpeculationStats) -> None:
+        """At a cycle's end: account its cost; the policy learns from model times and the overhead
+        apart (services that report no model time: from the calls' wall times)."""
+        stats.record_cost(cost)
+        self.observer.cycle_cost(cost)
+        calls, self._cycle_calls = self._cycle_calls, None
+        if self.policy is None or calls is None:
+            return
+        outcome, draft_s, target_s, num_proposed = calls
+        if cost.target_model_s > 0:
+            draft_s, target_s = cost.draft_model_s, cost.target_model_s
+        overhead_s = max(0.0, cost.wall_s - draft_s - target_s)
+        if outcome is None:
+            self.policy.observe_plain(target_s, overhead_s)
+        else:
+            self.policy.observe_cycle(outcome.num_drafted, outcome.num_accepted, draft_s, target_s, overhead_s)
+            if outcome.num_drafted < num_proposed:  # the loaded target trimmed the draft
+                self.policy.limit(outcome.num_drafted)
+
     def _draft_length(self, cursor: SessionCursor, stop: StopChecker) -> int:
         # Never draft past the budget or the context: a cycle commits up to k + 1 tokens.
         room = cursor.max_context - cursor.position - 1
@@ -154,11 +180,7 @@ class SpeculativeLoop:
         verified_at = time.perf_counter()
         stats.verify_seconds += verified_at - drafted_at
         stats.record(outcome)
-        if self.policy:
-            self.policy.observe_cycle(outcome.num_drafted, outcome.num_accepted, drafted_at - started,
-                                      verified_at - drafted_at)
-            if outcome.num_drafted < proposal.block.num_tokens:  # the loaded target trimmed the draft
-                self.policy.limit(outcome.num_drafted)
+        self._cycle_calls = (outcome, drafted_at - started, verified_at - drafted_at, proposal.block.num_tokens)
         self.observer.verified(outcome, proposal.proposer)
         new_tokens = proposal.block.token_ids[: outcome.num_accepted].tolist() + [outcome.next_token]
         cursor.tokens.extend(new_tokens)
@@ -200,8 +222,7 @@ class SpeculativeLoop:
         elapsed = time.perf_counter() - started
         stats.decode_seconds += elapsed
         stats.decode_steps += 1
-        if self.policy:
-            self.policy.observe_plain(elapsed)
+        self._cycle_calls = (None, 0.0, elapsed, 0)
         cursor.tokens.extend(new_tokens)
         return new_tokens
 

@@ -17,7 +17,8 @@ import grpc.aio
 
 from specdec import errors
 from specdec.rpc import common_pb2
-from specdec.rpc_convert import actual_position, latest_epoch
+from specdec.engine.cycle_cost import report_model_time
+from specdec.rpc_convert import actual_position, latest_epoch, server_timing_seconds
 from specdec.server.credentials import create_channel
 from specdec.server.settings import ClientSettings
 
@@ -85,6 +86,7 @@ class ServiceClient:
     request messages of Truncate and EndSession, which both services spell alike."""
 
     SERVICE: ClassVar[str]
+    ROLE: ClassVar[str]  # "target" or "draft": whose model time the responses' ServerTiming reports
     STUB: ClassVar[type]
     TRUNCATE_REQUEST: ClassVar[type]
     END_SESSION_REQUEST: ClassVar[type]
@@ -131,6 +133,12 @@ class ServiceClient:
 
     async def __aexit__(self, *exc_info) -> None:
         await self.close()
+
+    def _report_timing(self, response) -> None:
+        """Hand the response's ServerTiming to the cycle being measured (cycle_cost.py)."""
+        timing = server_timing_seconds(response)
+        if timing is not None:
+            report_model_time(self.ROLE, *timing)
 
     async def _call(self, method, request, session_id: str = "", position: int | None = None, parent_epoch: int = 0):
         try:
