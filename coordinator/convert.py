@@ -85,6 +85,7 @@ def stats_to_proto(stats: SpeculationStats, pool: Pool, proposer: str, num_draft
         num_draft_tokens=num_draft_tokens, cycle_seconds=stats.cycle_seconds,
         draft_model_seconds=stats.draft_model_seconds, target_model_seconds=stats.target_model_seconds,
         queued_seconds=stats.queued_seconds, timed_cycles=stats.timed_cycles,
+        handler_seconds=stats.handler_seconds, call_seconds=stats.call_seconds,
     )
 
 

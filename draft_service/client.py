@@ -80,8 +80,7 @@ class DraftClient(ServiceClient):
             session_id=session_id, parent_epoch=parent_epoch, keep_position=keep_position,
             append_token_ids=list(append_token_ids), num_draft_tokens=num_draft_tokens,
         )
-        response = await self._call(self._stub.Propose, request, session_id, keep_position, parent_epoch)
-        self._report_timing(response)
+        response = await self._timed_call(self._stub.Propose, request, session_id, keep_position, parent_epoch)
         rows = response.draft_distributions if response.HasField("draft_distributions") else None
         block = unpack_distributions(rows, response.draft_token_ids)
         return Proposal(response.epoch, response.position, block, response.proposer)

@@ -130,6 +130,7 @@ class DraftServicer(EngineServicer, draft_pb2_grpc.DraftServiceServicer):
         return draft_pb2.DraftServiceStartSessionResponse(position=position, proposer=self.proposer)
 
     async def Propose(self, request, context):
+        received_ns = time.perf_counter_ns()
         check_session_id(request.session_id)
         annotate(**{SPECDEC_SESSION_ID: request.session_id, "specdec.parent_epoch": request.parent_epoch,
                     "specdec.keep_position": request.keep_position})
@@ -159,10 +160,10 @@ class DraftServicer(EngineServicer, draft_pb2_grpc.DraftServiceServicer):
         response = draft_pb2.DraftServiceProposeResponse(
             epoch=result.epoch, parent_epoch=request.parent_epoch, position=result.position,
             draft_token_ids=result.block.token_ids.tolist(), proposer=result.proposer, speculative=False,
-            timing=server_timing_to_proto(timing.model_ns, timing.queued_ns),
         )
         if result.block.draft_probs is not None:
             response.draft_distributions.CopyFrom(pack_distributions(result.block))
+        response.timing.CopyFrom(server_timing_to_proto(timing.model_ns, timing.queued_ns, received_ns))
         return response
 
     async def GetInfo(self, request, context):

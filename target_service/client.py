@@ -65,8 +65,7 @@ class TargetClient(ServiceClient):
         )
         if draft.draft_probs is not None:
             request.draft_distributions.CopyFrom(pack_distributions(draft))
-        response = await self._call(self._stub.Verify, request, session_id, position)
-        self._report_timing(response)
+        response = await self._timed_call(self._stub.Verify, request, session_id, position)
         return verify_outcome_from_proto(response)
 
     async def decode(
@@ -85,8 +84,7 @@ class TargetClient(ServiceClient):
             session_id=session_id, position=position, append_token_ids=list(append_token_ids),
             num_tokens=num_tokens, stop_token_ids=list(stop_token_ids),
         )
-        response = await self._call(self._stub.Decode, request, session_id, position)
-        self._report_timing(response)
+        response = await self._timed_call(self._stub.Decode, request, session_id, position)
         return list(response.token_ids)
 
     async def describe(self) -> TargetDescription:

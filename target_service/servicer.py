@@ -93,6 +93,7 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
         return response
 
     async def Verify(self, request, context):
+        received_ns = time.perf_counter_ns()
         check_session_id(request.session_id)
         k = len(request.draft_token_ids)
         annotate(**{SPECDEC_SESSION_ID: request.session_id, SPECDEC_POSITION: request.position,
@@ -107,10 +108,11 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
         annotate(**{SPECDEC_NUM_ACCEPTED: outcome.num_accepted,
                     "specdec.next_token_kind": "bonus" if outcome.is_bonus else "recovered"})
         response = verify_outcome_to_proto(outcome, request.draft_epoch)
-        response.timing.CopyFrom(server_timing_to_proto(timing.model_ns, timing.queued_ns))
+        response.timing.CopyFrom(server_timing_to_proto(timing.model_ns, timing.queued_ns, received_ns))
         return response
 
     async def Decode(self, request, context):
+        received_ns = time.perf_counter_ns()
         check_session_id(request.session_id)
         appended = list(request.append_token_ids)
         annotate(**{SPECDEC_SESSION_ID: request.session_id, SPECDEC_POSITION: request.position,
@@ -121,7 +123,7 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
         annotate(**{"specdec.num_generated_tokens": len(tokens)})
         return target_pb2.TargetServiceDecodeResponse(
             token_ids=tokens, position=request.position + len(appended) + len(tokens),
-            timing=server_timing_to_proto(timing.model_ns, timing.queued_ns),
+            timing=server_timing_to_proto(timing.model_ns, timing.queued_ns, received_ns),
         )
 
     async def GetInfo(self, request, context):

@@ -66,3 +66,48 @@ def test_adaptive_loop_stays_lossless(tmp_path_factory, kind):
     spec = run(target, draft, [1, 5, 9, 12, 5, 9], SamplingParams(), max_new_tokens=60,
                settings=LoopSettings(num_draft_tokens=3, adaptive=True, max_draft_tokens=6))
     assert spec.token_ids == plain.token_ids
+
+
+def test_expected_tokens_follow_the_acceptance_measured_at_each_position():
+    """Lookup drafts are not geometric: here the first token is a coin flip and a draft that
+    survives it is nearly always right. E(k) must follow what was measured, not 1 + a + ... + a^k."""
+    pattern = [0, 8, 0, 8, 8, 0, 7, 0, 8, 0]  # accepted tokens of 8-token drafts, repeated
+    policy = DraftLengthPolicy(initial=8, max_tokens=8, decay=0.999)
+    for _ in range(40):
+        for accepted in pattern:
+            policy.observe_cycle(8, accepted, 0.0, 0.01)
+    for k in (1, 2, 4, 8):
+        measured = sum(min(n, k) + 1 for n in pattern) / len(pattern)
+        assert policy.expected_tokens(k) == pytest.approx(measured, rel=0.03)
+    geometric = expected_tokens(policy.acceptance, 2)
+    assert abs(geometric - (1 + 0.5 + 0.5)) > 0.2  # the single-rate model is far off at k = 2
+
+
+def test_a_per_cycle_overhead_is_charged_per_cycle_not_per_drafted_token():
+    """Round trips cost the same whatever k: a large fixed overhead makes longer drafts pay (fewer
+    cycles per token), so it must not be folded into the per-token draft cost."""
+    policies = {}
+    for overhead in (0.0, 0.060):
+        policy = DraftLengthPolicy(initial=4, max_tokens=8)
+        policy.observe_plain(0.050, overhead / 2)
+        for accepted in [4, 2, 3, 1, 4, 3] * 3:  # a fairly good draft
+            policy.observe_cycle(4, accepted, 0.004 * 4, 0.050, overhead)
+        policies[overhead] = policy
+    assert policies[0.060].best_k() > policies[0.0].best_k() > 0
+
+
+def test_an_expensive_round_trip_turns_a_modest_draft_off():
+    """When a speculative cycle pays much more outside the models than a plain step does, a draft
+    whose tokens are as likely wrong as right does not pay."""
+    policy = DraftLengthPolicy(initial=2, max_tokens=8)
+    for _ in range(5):
+        policy.observe_plain(0.050, 0.002)
+    for accepted in [0, 1, 0, 2, 0, 1] * 3:
+        policy.observe_cycle(2, accepted, 0.010, 0.052, 0.040)
+    assert policy.best_k() == 0
+    cheap = DraftLengthPolicy(initial=2, max_tokens=8)
+    for _ in range(5):
+        cheap.observe_plain(0.050, 0.002)
+    for accepted in [0, 1, 0, 2, 0, 1] * 3:
+        cheap.observe_cycle(2, accepted, 0.010, 0.052, 0.002)
+    assert cheap.best_k() > 0

@@ -209,10 +209,15 @@ class Batcher(Generic[W, R]):
             else:
                 future.set_result((result, StepTiming(step_end - step_start, max(0, step_start - enqueued))))
         if self.on_step is not None:
-            try:
-                self.on_step(works, results, elapsed)
-            except Exception:  # noqa: BLE001 - metrics must never stop the worker
-                log.exception("batch step observer failed")
+            # After the callers: their handlers were scheduled when their futures resolved and run
+            # first, so metrics never sit between a step's end and its responses.
+            asyncio.get_running_loop().call_soon(self._observe, works, results, elapsed)
+
+    def _observe(self, works: list, results: list, elapsed: float) -> None:
+        try:
+            self.on_step(works, results, elapsed)
+        except Exception:  # noqa: BLE001 - metrics must never stop the worker
+            log.exception("batch step observer failed")
 
 
 async def decode_steps(

@@ -30,7 +30,10 @@ class CycleCost:
     wall_s: float = 0.0
     draft_model_s: float = 0.0
     target_model_s: float = 0.0
-    queued_s: float = 0.0  # the services' waits before their steps (part of the overhead)
+    # Where the overhead went, as far as the services tell (0 when they don't):
+    queued_s: float = 0.0  # waiting in the services' batchers before a step
+    handler_s: float = 0.0  # the services' handlers, request in to response built (model included)
+    calls_s: float = 0.0  # the calls' round trips as the caller measured them (handlers included)
 
     @property
     def model_s(self) -> float:
@@ -45,7 +48,8 @@ class CycleCost:
     def overhead_fraction(self) -> float:
         return self.overhead_s / self.wall_s if self.wall_s > 0 else 0.0
 
-    def add_model_time(self, role: str, model_s: float, queued_s: float = 0.0) -> None:
+    def add_model_time(self, role: str, model_s: float, queued_s: float = 0.0, handler_s: float = 0.0,
+                       call_s: float = 0.0) -> None:
         if role == DRAFT:
             self.draft_model_s += model_s
         elif role == TARGET:
@@ -53,16 +57,20 @@ class CycleCost:
         else:
             raise ValueError(f"role must be {DRAFT!r} or {TARGET!r}, got {role!r}")
         self.queued_s += queued_s
+        self.handler_s += handler_s
+        self.calls_s += call_s
 
 
 _current: ContextVar[CycleCost | None] = ContextVar("specdec_cycle_cost", default=None)
 
 
-def report_model_time(role: str, model_s: float, queued_s: float = 0.0) -> None:
-    """A service call of the cycle being measured spent model_s in its model (no-op outside one)."""
+def report_model_time(role: str, model_s: float, queued_s: float = 0.0, handler_s: float = 0.0,
+                      call_s: float = 0.0) -> None:
+    """A service call of the cycle being measured spent model_s in its model (no-op outside one);
+    see CycleCost for the rest."""
     cost = _current.get()
     if cost is not None:
-        cost.add_model_time(role, model_s, queued_s)
+        cost.add_model_time(role, model_s, queued_s, handler_s, call_s)
 
 
 @contextlib.contextmanager
@@ -88,4 +96,5 @@ def model_time(role: str) -> Iterator[None]:
     try:
         yield
     finally:
-        report_model_time(role, time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        report_model_time(role, elapsed, 0.0, elapsed, elapsed)

@@ -28,6 +28,8 @@ class SpeculationStats:
     draft_model_seconds: float = 0.0  # of it, inside the draft model, as the draft service reported
     target_model_seconds: float = 0.0  # of it, inside the target model
     queued_seconds: float = 0.0  # of it, waiting in the services' batchers before a step
+    handler_seconds: float = 0.0  # of it, in the services' handlers (model time included)
+    call_seconds: float = 0.0  # of it, in calls to the services (handlers included)
 
     def record_cost(self, cost: CycleCost) -> None:
         self.timed_cycles += 1
@@ -35,6 +37,8 @@ class SpeculationStats:
         self.draft_model_seconds += cost.draft_model_s
         self.target_model_seconds += cost.target_model_s
         self.queued_seconds += cost.queued_s
+        self.handler_seconds += cost.handler_s
+        self.call_seconds += cost.calls_s
 
     @property
     def overhead_seconds(self) -> float:
@@ -74,7 +78,7 @@ class SpeculationStats:
     def merge(self, other: "SpeculationStats") -> None:
         for name in ("cycles", "drafted", "accepted", "recovered", "bonus", "decode_steps", "fallbacks",
                      "draft_seconds", "verify_seconds", "decode_seconds", "timed_cycles", "cycle_seconds",
-                     "draft_model_seconds", "target_model_seconds", "queued_seconds"):
+                     "draft_model_seconds", "target_model_seconds", "queued_seconds", "handler_seconds", "call_seconds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.drafted_by_position, other.drafted_by_position),
                              (self.accepted_by_position, other.accepted_by_position)):

@@ -8,6 +8,7 @@ ServiceDescription.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
@@ -134,11 +135,16 @@ class ServiceClient:
     async def __aexit__(self, *exc_info) -> None:
         await self.close()
 
-    def _report_timing(self, response) -> None:
-        """Hand the response's ServerTiming to the cycle being measured (cycle_cost.py)."""
+    async def _timed_call(self, method, request, session_id: str, position: int, parent_epoch: int = 0):
+        """_call, and hand the response's ServerTiming with the call's round trip to the cycle being
+        measured (engine/cycle_cost.py)."""
+        started = time.perf_counter()
+        response = await self._call(method, request, session_id, position, parent_epoch)
         timing = server_timing_seconds(response)
         if timing is not None:
-            report_model_time(self.ROLE, *timing)
+            model_s, queued_s, handler_s = timing
+            report_model_time(self.ROLE, model_s, queued_s, handler_s, time.perf_counter() - started)
+        return response
 
     async def _call(self, method, request, session_id: str = "", position: int | None = None, parent_epoch: int = 0):
         try:
