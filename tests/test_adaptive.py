@@ -111,3 +111,29 @@ def test_an_expensive_round_trip_turns_a_modest_draft_off():
     for accepted in [0, 1, 0, 2, 0, 1] * 3:
         cheap.observe_cycle(2, accepted, 0.010, 0.052, 0.002)
     assert cheap.best_k() > 0
+
+
+def test_a_fixed_length_yields_to_trimming_and_comes_back():
+    """A request that names k drafts k, except while the loaded target trims its drafts: then no
+    more than the target verified, trying k again every probe_every cycles (0: plain decoding,
+    probed like an adaptive session)."""
+    policy = DraftLengthPolicy(initial=4, max_tokens=4, probe_every=3, adapt=False)
+    for accepted in (0, 0, 0, 1, 0):  # poor acceptance never changes a fixed length by itself
+        policy.observe_cycle(4, accepted, 0.01, 0.05)
+        assert policy.next_k() == 4
+    policy.observe_cycle(2, 1, 0.01, 0.05)
+    policy.limit(2)  # the target verified only 2 of the 4
+    assert [policy.next_k() for _ in range(2)] == [2, 2]
+    for _ in range(3):
+        policy.observe_cycle(2, 2, 0.01, 0.05)
+    assert policy.next_k() == 4  # k again after probe_every cycles
+    policy.observe_cycle(0, 0, 0.0, 0.05)
+    policy.limit(0)  # everything trimmed: plain decoding, then a probe
+    ks = []
+    for _ in range(7):
+        ks.append(policy.next_k())
+        if ks[-1] == 0:
+            policy.observe_plain(0.05)
+    assert ks[0] == 0 and 4 in ks  # a probe came after the (doubled) probe interval
+    policy.observe_cycle(4, 2, 0.01, 0.05)  # the probe was verified in full
+    assert policy.next_k() == 4

@@ -43,6 +43,9 @@ class DraftLengthPolicy:
     probe_every: int = 16  # plain cycles between re-probes once speculation is off
     prior_acceptance: float = 0.5
     prior_trials: float = 2.0  # pseudo-trials: two lucky cycles don't mean a = 1
+    # False: a fixed draft length (the request named it); only the loaded target's trimming
+    # shortens it, for probe_every cycles at a time (see limit()).
+    adapt: bool = True
     # Running estimates (exponentially weighted).
     _accepted: float = 0.0  # accepted draft tokens
     _trials: float = 0.0  # acceptance tests: accepted tokens + rejections
@@ -57,6 +60,7 @@ class DraftLengthPolicy:
     _plain_since_probe: int = 0
     _current: int = 0
     _probe_interval: int = 0  # plain cycles between probes now: probe_every, longer under load
+    _limited_for: int = 0  # fixed length: cycles drafted under a trimmed limit so far
 
     def __post_init__(self) -> None:
         self._current = max(0, min(self.initial, self.max_tokens))
@@ -106,7 +110,9 @@ class DraftLengthPolicy:
         self._verify_s[k + 1] = self._ewma(self._verify_s.get(k + 1), verify_s)
         self._speculative_overhead_s = self._ewma(self._speculative_overhead_s, overhead_s)
         self._cycles += 1
-        if self._cycles >= self.warmup_cycles:
+        if not self.adapt:
+            self._restore_fixed_length()
+        elif self._cycles >= self.warmup_cycles:
             self._current = self.best_k()
 
     def limit(self, num_tokens: int) -> None:
@@ -115,6 +121,7 @@ class DraftLengthPolicy:
         later cycle shows more pays. 0 switches to plain decoding, re-probed ever less often while
         the target keeps refusing (every probe costs the loaded batch a draft round trip)."""
         self._current = min(self._current, max(0, num_tokens))
+        self._limited_for = 0
         if num_tokens == 0:
             self._probe_interval = min(2 * self._probe_interval, 16 * self.probe_every)
 
@@ -122,6 +129,16 @@ class DraftLengthPolicy:
         self._plain_s = self._ewma(self._plain_s, step_s)
         self._plain_overhead_s = self._ewma(self._plain_overhead_s, overhead_s)
         self._plain_since_probe += 1
+
+    def _restore_fixed_length(self) -> None:
+        """A fixed length cut by the target's trimming is tried in full again after probe_every
+        cycles: the load may have gone (cut to 0, next_k's probes do the same)."""
+        if 0 < self._current < self.initial:
+            self._limited_for += 1
+            if self._limited_for >= self.probe_every:
+                self._current = min(self.initial, self.max_tokens)
+        elif self._current == 0 and self._plain_since_probe == 0:  # a probe cycle was verified
+            self._current = min(self.initial, self.max_tokens)
 
     def best_k(self) -> int:
         """argmax over k in [0, max_tokens] of E(k) / cost(k); 0 wins when drafting doesn't pay."""

@@ -102,8 +102,11 @@ class SpeculativeLoop:
         # (outcome or None for a plain step, draft call seconds, target call seconds) of the cycle
         # running now, for the policy once the cycle's cost is known.
         self._cycle_calls: tuple[VerifyOutcome | None, float, float, int] | None = None
-        if self.settings.adaptive and draft is not None:
-            self.policy = DraftLengthPolicy(self.settings.num_draft_tokens, self.settings.max_draft_tokens)
+        k = self.settings.num_draft_tokens
+        if draft is not None and self.settings.adaptive:
+            self.policy = DraftLengthPolicy(k, self.settings.max_draft_tokens)
+        elif draft is not None and k > 0:  # a fixed length too yields to the loaded target's trimming
+            self.policy = DraftLengthPolicy(k, k, adapt=False)
 
     async def run(self, cursor: SessionCursor, stop: StopChecker, emit: TokenSink) -> GenerationResult:
         """Generate after the cursor's committed sequence until `stop` says so; emit every token
