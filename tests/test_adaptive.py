@@ -23,7 +23,7 @@ def feed(policy, cycles, k, accepted, draft_s=0.001, verify_s=0.010):
 def test_a_good_cheap_draft_grows_to_the_longest_draft():
     policy = DraftLengthPolicy(initial=4, max_tokens=8)
     feed(policy, 20, 4, 4)  # everything accepted, verify flat in k (GPU-like), draft 10% of a step
-    policy._verify_s[1] = 0.010
+    policy.observe_plain(0.010)
     assert policy.next_k() == 8
 
 
@@ -137,3 +137,24 @@ def test_a_fixed_length_yields_to_trimming_and_comes_back():
     assert ks[0] == 0 and 4 in ks  # a probe came after the (doubled) probe interval
     policy.observe_cycle(4, 2, 0.01, 0.05)  # the probe was verified in full
     assert policy.next_k() == 4
+
+
+def test_a_longer_verify_never_looks_cheaper_than_a_shorter_one():
+    """On a shared CPU the load changes under a session. Sizes timed at different loads, compared
+    size by size, made a 6-token verify look half the price of a 4-token one; one cost line fitted
+    over every forward keeps costs ordered by size, and a plain step is a 1-token forward."""
+    from specdec.generation.adaptive import ForwardCost
+
+    cost = ForwardCost()
+    for n, seconds in [(1, 0.050), (3, 0.052), (5, 0.054), (2, 0.051), (4, 0.053)] * 4:
+        cost.observe(n, seconds)
+    assert cost.cost(1) == pytest.approx(0.050, abs=1e-4) and cost.cost(9) == pytest.approx(0.058, abs=1e-4)
+    shifting = ForwardCost()
+    for _ in range(10):
+        shifting.observe(6, 0.050)  # quiet machine
+    for _ in range(10):
+        shifting.observe(4, 0.100)  # a neighbour took the core
+    assert shifting.cost(6) >= shifting.cost(4) >= shifting.cost(1) > 0
+    single = ForwardCost()
+    single.observe(5, 0.050)  # one size only: 5% of a step per extra token
+    assert single.cost(9) == pytest.approx(0.050 * (1 + 0.05 * 4))

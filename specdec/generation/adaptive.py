@@ -7,7 +7,7 @@ a draft that stops paying (low acceptance, a loaded target whose verify grows wi
 switched off, and re-probed every `probe_every` plain cycles in case the text became predictable
 again. A target that trims drafts under load (it sees the whole batch) caps k at what it verified.
 
-Two refinements over the textbook rule, both because the textbook rule lost to a fixed k = 4 in
+Three refinements over the textbook rule, all because the textbook rule lost to a fixed k = 4 in
 the benchmark (docs/BENCHMARKS.md):
 - Costs are split into model time and a fixed per-cycle overhead (RPC, batching, coordination;
   engine/cycle_cost.py). Dividing a whole Propose call's wall time by k charged the call's
@@ -17,6 +17,10 @@ the benchmark (docs/BENCHMARKS.md):
   geometric series 1 + a + ... + a^k. Lookup drafts (n-gram) are not geometric: a draft that
   copies a repeated span is accepted the longer, the further it got. Each position's conditional
   rate is shrunk toward the overall rate, so unseen or rarely reached positions use that.
+- The target's cost is one line t(n) = t0 + t1 * n over the tokens a forward verifies, fitted to
+  every verify and plain step of the session (a plain step is a forward of one token), instead of
+  a separate running average per size: on a shared CPU one slow step made its size look dear
+  for many cycles, and sizes measured at different loads were compared with each other.
 
 Pure bookkeeping: no I/O, no clocks. The loop reports what each cycle cost.
 """
@@ -52,8 +56,7 @@ class DraftLengthPolicy:
     _tested: list[float] = field(default_factory=list)  # [j]: cycles whose draft token j was tested
     _passed: list[float] = field(default_factory=list)  # [j]: ... and accepted
     _draft_s: float | None = None  # model seconds per drafted token
-    _plain_s: float | None = None  # model seconds per plain decoding step
-    _verify_s: dict[int, float] = field(default_factory=dict)  # tokens verified (k + 1) -> model seconds
+    _forward: "ForwardCost" = field(default_factory=lambda: ForwardCost())  # target seconds by tokens fed
     _speculative_overhead_s: float | None = None  # per speculative cycle, outside the models
     _plain_overhead_s: float | None = None  # per plain cycle, outside the model
     _cycles: int = 0
@@ -107,7 +110,7 @@ class DraftLengthPolicy:
         self._observe_positions(k, num_accepted)
         if k > 0:
             self._draft_s = self._ewma(self._draft_s, draft_s / k)
-        self._verify_s[k + 1] = self._ewma(self._verify_s.get(k + 1), verify_s)
+        self._forward.observe(k + 1, verify_s)
         self._speculative_overhead_s = self._ewma(self._speculative_overhead_s, overhead_s)
         self._cycles += 1
         if not self.adapt:
@@ -126,7 +129,7 @@ class DraftLengthPolicy:
             self._probe_interval = min(2 * self._probe_interval, 16 * self.probe_every)
 
     def observe_plain(self, step_s: float, overhead_s: float = 0.0) -> None:
-        self._plain_s = self._ewma(self._plain_s, step_s)
+        self._forward.observe(1, step_s)
         self._plain_overhead_s = self._ewma(self._plain_overhead_s, overhead_s)
         self._plain_since_probe += 1
 
@@ -155,31 +158,16 @@ class DraftLengthPolicy:
         return best_k
 
     def verify_cost(self, num_tokens: int) -> float:
-        """Seconds to verify num_tokens: measured, or interpolated linearly between measured sizes.
-
-        Beyond the measured range a verify is assumed to grow by 5% of a step per extra token:
-        cautious on CPUs (a forward of more tokens costs more) and nearly flat as on GPUs."""
-        known = sorted(self._verify_s.items())
-        if num_tokens in self._verify_s:
-            return self._verify_s[num_tokens]
-        below = [(n, t) for n, t in known if n < num_tokens]
-        above = [(n, t) for n, t in known if n > num_tokens]
-        if below and above:
-            (n0, t0), (n1, t1) = below[-1], above[0]
-            return t0 + (t1 - t0) * (num_tokens - n0) / (n1 - n0)
-        n0, t0 = (below[-1] if below else above[0])
-        return max(t0 * (1.0 + 0.05 * (num_tokens - n0)), 1e-9)
+        """Target model seconds of a forward that verifies num_tokens (1: a plain step)."""
+        return self._forward.cost(num_tokens)
 
     def _plain_cost(self) -> float | None:
-        """Seconds per plain step, overhead included. Before any plain step was seen: a 1-token
-        verify's model time and the speculative cycles' overhead (which include a Propose round
-        trip that plain decoding would not pay: an estimate that leans toward speculating, until
-        a plain step measures the truth)."""
-        step = self._plain_s
-        if step is None and self._verify_s:  # a 1-token verify is a plain step
-            step = self.verify_cost(1)
-        if step is None:
+        """Seconds per plain step, overhead included. Before any plain step was seen: the
+        speculative cycles' overhead (which include a Propose round trip that plain decoding would
+        not pay: an estimate that leans toward speculating, until a plain step measures the truth)."""
+        if not self._forward.seen:
             return None
+        step = self.verify_cost(1)
         overhead = self._plain_overhead_s
         if overhead is None:
             overhead = self._speculative_overhead_s or 0.0
@@ -200,3 +188,40 @@ class DraftLengthPolicy:
 
     def _ewma(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1.0 - self.decay) * new
+
+
+@dataclass
+class ForwardCost:
+    """t(n) = t0 + t1 * n: seconds of a target forward over n tokens, by exponentially weighted
+    least squares over every forward seen. Until sizes differ enough to fit a slope, a forward is
+    assumed to grow by 5% of its mean per extra token: cautious on CPUs (more tokens cost more),
+    nearly flat as on GPUs."""
+
+    decay: float = 0.95  # per forward: slower than the acceptance estimates, to average out noise
+    default_slope: float = 0.05
+    _w: float = 0.0
+    _n: float = 0.0
+    _nn: float = 0.0
+    _t: float = 0.0
+    _nt: float = 0.0
+
+    @property
+    def seen(self) -> bool:
+        return self._w > 0
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        d = self.decay
+        self._w, self._n, self._t = d * self._w + 1, d * self._n + num_tokens, d * self._t + seconds
+        self._nn = d * self._nn + num_tokens * num_tokens
+        self._nt = d * self._nt + num_tokens * seconds
+
+    def cost(self, num_tokens: int) -> float:
+        if not self.seen:
+            return 0.0
+        mean_n, mean_t = self._n / self._w, self._t / self._w
+        variance = self._nn / self._w - mean_n * mean_n
+        if variance < 0.5:  # (nearly) one size so far: no slope to fit
+            slope = self.default_slope * mean_t
+        else:
+            slope = max(0.0, (self._nt / self._w - mean_n * mean_t) / variance)
+        return max(mean_t + slope * (num_tokens - mean_n), 1e-9)
