@@ -74,6 +74,8 @@ class Batcher(Generic[W, R]):
         self.key = key  # the session a work item belongs to
         self._queue: deque[tuple[W, asyncio.Future, int]] = deque()  # (work, future, enqueued at, ns)
         self._recent: set = set()  # sessions of the last step, still open
+        self._served_at: dict = {}  # session -> perf_counter() when its last result was delivered
+        self._return_gap: dict = {}  # session -> running average of result-to-next-submit seconds
         self._last_end: float | None = None  # perf_counter() when the last step ended
         self._last_seconds = 0.0
         self._wakeup: asyncio.Event | None = None
@@ -94,6 +96,7 @@ class Batcher(Generic[W, R]):
         if self._closed:
             raise ServiceUnavailable("the service is shutting down")
         future = asyncio.get_running_loop().create_future()
+        self._note_return(self.key(work))
         self._queue.append((work, future, time.perf_counter_ns()))
         self._start_worker()
         self._wakeup.set()
@@ -102,6 +105,15 @@ class Batcher(Generic[W, R]):
     def forget(self, key: object) -> None:
         """The session ended: no step waits for its next work."""
         self._recent.discard(key)
+        self._served_at.pop(key, None)
+        self._return_gap.pop(key, None)
+
+    def _note_return(self, key: object) -> None:
+        served = self._served_at.pop(key, None)
+        if served is not None:
+            gap = time.perf_counter() - served
+            old = self._return_gap.get(key)
+            self._return_gap[key] = gap if old is None else 0.7 * old + 0.3 * gap
 
     async def aclose(self) -> None:
         """Stop the worker; queued work fails with ServiceUnavailable (a running step finishes on
@@ -141,20 +153,23 @@ class Batcher(Generic[W, R]):
         """Hold a non-full batch until the sessions of the last step are queued again, for at most
         `gather` times the last step's duration.
 
-        Each of them sends its next work one round trip after its result. Started without them, a
-        step keeps them out, they form the next step, and the sessions settle into alternating
-        half-size steps: twice the forwards for the same tokens. Nothing is held for a lone
-        session (its own return is what the worker waits for anyway), for an ended one, nor once
-        the time is up."""
+        A plain decoding session sends its next work one round trip after its result. Started
+        without them, a step keeps them out, they form the next step, and the sessions settle into
+        alternating half-size steps: twice the forwards for the same tokens. Nothing is held for a
+        lone session (its own return is what the worker waits for anyway), for an ended one, for
+        one that usually comes back later than the window (a speculative session verifies on the
+        target between two Proposes and drafts between two Verifies: waiting for it idles the
+        model), nor once the time is up."""
         if not self.gather or self._last_end is None:
             return
-        expected = self._recent
+        window = self.gather * self._last_seconds
+        expected = {key for key in self._recent if self._return_gap.get(key, 0.0) <= window}
 
         def ready() -> bool:
             queued = {self.key(work) for work, _, _ in self._queue}
             return len(self._queue) >= self.max_batch_size or expected <= queued
 
-        await self._wait_until(ready, self._last_end + self.gather * self._last_seconds)
+        await self._wait_until(ready, self._last_end + window)
 
     async def _wait_until(self, ready: Callable[[], bool], deadline: float) -> None:
         while not ready():
@@ -201,6 +216,8 @@ class Batcher(Generic[W, R]):
         self._last_end = time.perf_counter()
         elapsed = self._last_seconds = self._last_end - started
         self._recent = {self.key(work) for work in works}
+        for key in self._recent:
+            self._served_at[key] = self._last_end
         for (_, future, enqueued), result in zip(batch, results):
             if future.done():  # the caller gave up while the step ran
                 continue
