@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable, ContextManager, Sequence
 
 from specdec.engine.api import DraftAPI, TargetAPI
-from specdec.generation.adaptive import DraftLengthPolicy
 from specdec.engine.cycle_cost import CycleCost, measure_cycle
+from specdec.generation.adaptive import DraftLengthPolicy
 from specdec.generation.stats import SpeculationStats
 from specdec.generation.stopping import FinishReason, StopChecker
 from specdec.sampling.params import SamplingParams
