@@ -2,7 +2,8 @@
 
 Trace shape of one Generate (the gRPC server span comes from the interceptor):
     "<operation> <model>" request span (GenAI attributes, specdec.pool, session id, usage)
-      specdec.cycle (sampled: the first cycles, then every Nth)  position, drafted, accepted, kind
+      specdec.cycle (sampled: the first cycles, then every Nth)  position, drafted, accepted, kind,
+                    cycle_ms, draft_model_ms, target_model_ms, overhead_ms (time outside the models)
         specdec.propose -> DraftService/Propose client and server spans (traceparent over gRPC)
         specdec.verify  -> TargetService/Verify
         specdec.commit  (the Redis append of the cycle's tokens; ends when it is recorded)
@@ -19,6 +20,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from specdec.errors import ServiceUnavailable, SessionNotFound
+from specdec.engine.cycle_cost import CycleCost
 from specdec.generation.loop import LoopObserver
 from specdec.observability import spans
 from specdec.observability.metrics import CoordinatorMetrics
@@ -141,6 +143,15 @@ class TurnObserver(LoopObserver):
     def fell_back(self, error: Exception) -> None:
         self.telemetry.metrics.fallbacks.labels(self.pool, self.proposer, fallback_reason(error)).inc()
         self._pending += SessionStats(fallbacks=1)
+
+    def cycle_cost(self, cost: CycleCost) -> None:
+        trace.get_current_span().set_attributes(spans.cycle_cost_attributes(
+            wall_s=cost.wall_s, draft_model_s=cost.draft_model_s, target_model_s=cost.target_model_s,
+            overhead_s=cost.overhead_s,
+        ))
+        metrics = self.telemetry.metrics
+        metrics.cycle_overhead.labels(self.pool, self.proposer).observe(cost.overhead_s)
+        metrics.cycle_overhead_fraction.labels(self.pool, self.proposer).observe(cost.overhead_fraction)
 
     def take_stats(self) -> SessionStats:
         """Counters since the last call (what the next append adds to the record)."""

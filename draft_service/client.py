@@ -20,6 +20,7 @@ from typing import Sequence
 import grpc.aio
 
 from specdec.engine.api import Proposal
+from specdec.engine.cycle_cost import DRAFT
 from specdec.models.base import ModelInfo
 from specdec.rpc import draft_pb2, draft_pb2_grpc
 from specdec.rpc_convert import model_info_from_proto, sampling_params_to_proto, unpack_distributions
@@ -43,6 +44,7 @@ class DraftClient(ServiceClient):
     server's defaults)."""
 
     SERVICE = "draft service"
+    ROLE = DRAFT
     STUB = draft_pb2_grpc.DraftServiceStub
     TRUNCATE_REQUEST = draft_pb2.DraftServiceTruncateRequest
     END_SESSION_REQUEST = draft_pb2.DraftServiceEndSessionRequest
@@ -79,7 +81,7 @@ class DraftClient(ServiceClient):
             session_id=session_id, parent_epoch=parent_epoch, keep_position=keep_position,
             append_token_ids=list(append_token_ids), num_draft_tokens=num_draft_tokens, speculative=speculative,
         )
-        response = await self._call(self._stub.Propose, request, session_id, keep_position, parent_epoch)
+        response = await self._timed_call(self._stub.Propose, request, session_id, keep_position, parent_epoch)
         rows = response.draft_distributions if response.HasField("draft_distributions") else None
         block = unpack_distributions(rows, response.draft_token_ids)
         guess = response.guessed_token_id if response.HasField("guessed_token_id") else None

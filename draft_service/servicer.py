@@ -41,7 +41,8 @@ from specdec.models.base import ModelInfo
 from specdec.observability.metrics import DraftMetrics
 from specdec.observability.spans import SPECDEC_NUM_DRAFT_TOKENS, SPECDEC_POSITION
 from specdec.rpc import ACTUAL_POSITION_KEY, LATEST_EPOCH_KEY, LIVE_EPOCHS_KEY, draft_pb2, draft_pb2_grpc
-from specdec.rpc_convert import model_info_to_proto, pack_distributions, sampling_params_from_proto
+from specdec.rpc_convert import (model_info_to_proto, pack_distributions, sampling_params_from_proto,
+                                 server_timing_to_proto)
 from specdec.server.bootstrap import ModelExecutor
 from specdec.server.service import BatchSettings
 from specdec.server.model_servicer import SPECDEC_SESSION_ID, EngineServicer, annotate, check_session_id
@@ -128,6 +129,7 @@ class DraftServicer(EngineServicer, draft_pb2_grpc.DraftServiceServicer):
         return draft_pb2.DraftServiceStartSessionResponse(position=position, proposer=self.proposer)
 
     async def Propose(self, request, context):
+        received_ns = time.perf_counter_ns()
         check_session_id(request.session_id)
         annotate(**{SPECDEC_SESSION_ID: request.session_id, "specdec.parent_epoch": request.parent_epoch,
                     "specdec.keep_position": request.keep_position,
@@ -142,7 +144,7 @@ class DraftServicer(EngineServicer, draft_pb2_grpc.DraftServiceServicer):
         appended = list(request.append_token_ids)
         self._check_tokens(appended, request.keep_position, "append_token_ids")
         started = time.perf_counter()
-        result = await self.batcher.submit(
+        result, timing = await self.batcher.submit_timed(
             ProposeWork(request.session_id, request.keep_position, tuple(appended), k, request.parent_epoch,
                         request.speculative)
         )
@@ -165,6 +167,7 @@ class DraftServicer(EngineServicer, draft_pb2_grpc.DraftServiceServicer):
             response.guessed_token_id = result.guessed_token_id
         if result.block.draft_probs is not None:
             response.draft_distributions.CopyFrom(pack_distributions(result.block))
+        response.timing.CopyFrom(server_timing_to_proto(timing.model_ns, timing.queued_ns, received_ns))
         return response
 
     async def GetInfo(self, request, context):

@@ -8,6 +8,7 @@ out; padding is dropped on the wire and restored to the widest row).
 
 from __future__ import annotations
 
+import time
 from typing import Iterable, Sequence
 
 import torch
@@ -153,6 +154,22 @@ def verify_outcome_from_proto(msg: target_pb2.TargetServiceVerifyResponse) -> Ve
         num_accepted=msg.num_accepted,
         next_token=msg.next_token_id,
     )
+
+
+def server_timing_to_proto(model_ns: int, queued_ns: int, handler_started_ns: int) -> common_pb2.ServerTiming:
+    """What a call cost in the service: model_ns on the model thread, queued_ns before its step,
+    and the handler's whole time since handler_started_ns (time.perf_counter_ns())."""
+    return common_pb2.ServerTiming(model_ns=model_ns, queued_ns=queued_ns,
+                                   handler_ns=time.perf_counter_ns() - handler_started_ns)
+
+
+def server_timing_seconds(response) -> tuple[float, float, float] | None:
+    """(model, queued, handler) seconds of a Verify, Decode or Propose response; None from a service
+    that predates ServerTiming."""
+    if not response.HasField("timing"):
+        return None
+    timing = response.timing
+    return timing.model_ns * 1e-9, timing.queued_ns * 1e-9, timing.handler_ns * 1e-9
 
 
 def model_info_to_proto(

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from specdec import errors
+from specdec.engine.cycle_cost import TARGET
 from specdec.models.base import ModelInfo
 from specdec.rpc import target_pb2, target_pb2_grpc
 from specdec.rpc_convert import (
@@ -42,6 +43,7 @@ class TargetClient(ServiceClient):
     """TargetAPI on a grpc.aio channel (see connect() for one with TLS, deadlines and tracing)."""
 
     SERVICE = "target service"
+    ROLE = TARGET
     STUB = target_pb2_grpc.TargetServiceStub
     TRUNCATE_REQUEST = target_pb2.TargetServiceTruncateRequest
     END_SESSION_REQUEST = target_pb2.TargetServiceEndSessionRequest
@@ -63,7 +65,7 @@ class TargetClient(ServiceClient):
         )
         if draft.draft_probs is not None:
             request.draft_distributions.CopyFrom(pack_distributions(draft))
-        response = await self._call(self._stub.Verify, request, session_id, position)
+        response = await self._timed_call(self._stub.Verify, request, session_id, position)
         return verify_outcome_from_proto(response)
 
     async def decode(
@@ -82,7 +84,7 @@ class TargetClient(ServiceClient):
             session_id=session_id, position=position, append_token_ids=list(append_token_ids),
             num_tokens=num_tokens, stop_token_ids=list(stop_token_ids),
         )
-        response = await self._call(self._stub.Decode, request, session_id, position)
+        response = await self._timed_call(self._stub.Decode, request, session_id, position)
         return list(response.token_ids)
 
     async def describe(self) -> TargetDescription:

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable
 
 from specdec.engine.batch import DecodeWork, VerifyWork, run_target_batch
 from specdec.engine.goodput import DraftTrimmer, run_trimmed_batch
-from specdec.engine.batcher import Batcher, decode_steps
+from specdec.engine.batcher import Batcher, StepTiming, decode_steps
 from specdec.engine.target import TargetEngine
 from specdec.errors import InvalidArgument
 from specdec.observability.metrics import TargetMetrics
@@ -31,6 +31,7 @@ from specdec.rpc import target_pb2, target_pb2_grpc
 from specdec.rpc_convert import (
     model_info_to_proto,
     sampling_params_from_proto,
+    server_timing_to_proto,
     unpack_distributions,
     verify_outcome_to_proto,
 )
@@ -92,6 +93,7 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
         return response
 
     async def Verify(self, request, context):
+        received_ns = time.perf_counter_ns()
         check_session_id(request.session_id)
         k = len(request.draft_token_ids)
         annotate(**{SPECDEC_SESSION_ID: request.session_id, SPECDEC_POSITION: request.position,
@@ -102,21 +104,26 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
             )
         rows = request.draft_distributions if request.HasField("draft_distributions") else None
         block = unpack_distributions(rows, request.draft_token_ids)
-        outcome = await self.batcher.submit(VerifyWork(request.session_id, request.position, block))
+        outcome, timing = await self.batcher.submit_timed(VerifyWork(request.session_id, request.position, block))
         annotate(**{SPECDEC_NUM_ACCEPTED: outcome.num_accepted,
                     "specdec.next_token_kind": "bonus" if outcome.is_bonus else "recovered"})
-        return verify_outcome_to_proto(outcome, request.draft_epoch)
+        response = verify_outcome_to_proto(outcome, request.draft_epoch)
+        response.timing.CopyFrom(server_timing_to_proto(timing.model_ns, timing.queued_ns, received_ns))
+        return response
 
     async def Decode(self, request, context):
+        received_ns = time.perf_counter_ns()
         check_session_id(request.session_id)
         appended = list(request.append_token_ids)
         annotate(**{SPECDEC_SESSION_ID: request.session_id, SPECDEC_POSITION: request.position,
                     "specdec.num_appended_tokens": len(appended), "specdec.num_tokens": request.num_tokens})
+        timing = StepTiming()
         tokens = await decode_steps(self.batcher, request.session_id, request.position, request.num_tokens,
-                                    appended, request.stop_token_ids)
+                                    appended, request.stop_token_ids, timing)
         annotate(**{"specdec.num_generated_tokens": len(tokens)})
         return target_pb2.TargetServiceDecodeResponse(
-            token_ids=tokens, position=request.position + len(appended) + len(tokens)
+            token_ids=tokens, position=request.position + len(appended) + len(tokens),
+            timing=server_timing_to_proto(timing.model_ns, timing.queued_ns, received_ns),
         )
 
     async def GetInfo(self, request, context):

@@ -23,7 +23,7 @@ def feed(policy, cycles, k, accepted, draft_s=0.001, verify_s=0.010):
 def test_a_good_cheap_draft_grows_to_the_longest_draft():
     policy = DraftLengthPolicy(initial=4, max_tokens=8)
     feed(policy, 20, 4, 4)  # everything accepted, verify flat in k (GPU-like), draft 10% of a step
-    policy._verify_s[1] = 0.010
+    policy.observe_plain(0.010)
     assert policy.next_k() == 8
 
 
@@ -66,3 +66,95 @@ def test_adaptive_loop_stays_lossless(tmp_path_factory, kind):
     spec = run(target, draft, [1, 5, 9, 12, 5, 9], SamplingParams(), max_new_tokens=60,
                settings=LoopSettings(num_draft_tokens=3, adaptive=True, max_draft_tokens=6))
     assert spec.token_ids == plain.token_ids
+
+
+def test_expected_tokens_follow_the_acceptance_measured_at_each_position():
+    """Lookup drafts are not geometric: here the first token is a coin flip and a draft that
+    survives it is nearly always right. E(k) must follow what was measured, not 1 + a + ... + a^k."""
+    pattern = [0, 8, 0, 8, 8, 0, 7, 0, 8, 0]  # accepted tokens of 8-token drafts, repeated
+    policy = DraftLengthPolicy(initial=8, max_tokens=8, decay=0.999)
+    for _ in range(40):
+        for accepted in pattern:
+            policy.observe_cycle(8, accepted, 0.0, 0.01)
+    for k in (1, 2, 4, 8):
+        measured = sum(min(n, k) + 1 for n in pattern) / len(pattern)
+        assert policy.expected_tokens(k) == pytest.approx(measured, rel=0.03)
+    geometric = expected_tokens(policy.acceptance, 2)
+    assert abs(geometric - (1 + 0.5 + 0.5)) > 0.2  # the single-rate model is far off at k = 2
+
+
+def test_a_per_cycle_overhead_is_charged_per_cycle_not_per_drafted_token():
+    """Round trips cost the same whatever k: a large fixed overhead makes longer drafts pay (fewer
+    cycles per token), so it must not be folded into the per-token draft cost."""
+    policies = {}
+    for overhead in (0.0, 0.060):
+        policy = DraftLengthPolicy(initial=4, max_tokens=8)
+        policy.observe_plain(0.050, overhead / 2)
+        for accepted in [4, 2, 3, 1, 4, 3] * 3:  # a fairly good draft
+            policy.observe_cycle(4, accepted, 0.004 * 4, 0.050, overhead)
+        policies[overhead] = policy
+    assert policies[0.060].best_k() > policies[0.0].best_k() > 0
+
+
+def test_an_expensive_round_trip_turns_a_modest_draft_off():
+    """When a speculative cycle pays much more outside the models than a plain step does, a draft
+    whose tokens are as likely wrong as right does not pay."""
+    policy = DraftLengthPolicy(initial=2, max_tokens=8)
+    for _ in range(5):
+        policy.observe_plain(0.050, 0.002)
+    for accepted in [0, 1, 0, 2, 0, 1] * 3:
+        policy.observe_cycle(2, accepted, 0.010, 0.052, 0.040)
+    assert policy.best_k() == 0
+    cheap = DraftLengthPolicy(initial=2, max_tokens=8)
+    for _ in range(5):
+        cheap.observe_plain(0.050, 0.002)
+    for accepted in [0, 1, 0, 2, 0, 1] * 3:
+        cheap.observe_cycle(2, accepted, 0.010, 0.052, 0.002)
+    assert cheap.best_k() > 0
+
+
+def test_a_fixed_length_yields_to_trimming_and_comes_back():
+    """A request that names k drafts k, except while the loaded target trims its drafts: then no
+    more than the target verified, trying k again every probe_every cycles (0: plain decoding,
+    probed like an adaptive session)."""
+    policy = DraftLengthPolicy(initial=4, max_tokens=4, probe_every=3, adapt=False)
+    for accepted in (0, 0, 0, 1, 0):  # poor acceptance never changes a fixed length by itself
+        policy.observe_cycle(4, accepted, 0.01, 0.05)
+        assert policy.next_k() == 4
+    policy.observe_cycle(2, 1, 0.01, 0.05)
+    policy.limit(2)  # the target verified only 2 of the 4
+    assert [policy.next_k() for _ in range(2)] == [2, 2]
+    for _ in range(3):
+        policy.observe_cycle(2, 2, 0.01, 0.05)
+    assert policy.next_k() == 4  # k again after probe_every cycles
+    policy.observe_cycle(0, 0, 0.0, 0.05)
+    policy.limit(0)  # everything trimmed: plain decoding, then a probe
+    ks = []
+    for _ in range(7):
+        ks.append(policy.next_k())
+        if ks[-1] == 0:
+            policy.observe_plain(0.05)
+    assert ks[0] == 0 and 4 in ks  # a probe came after the (doubled) probe interval
+    policy.observe_cycle(4, 2, 0.01, 0.05)  # the probe was verified in full
+    assert policy.next_k() == 4
+
+
+def test_a_longer_verify_never_looks_cheaper_than_a_shorter_one():
+    """On a shared CPU the load changes under a session. Sizes timed at different loads, compared
+    size by size, made a 6-token verify look half the price of a 4-token one; one cost line fitted
+    over every forward keeps costs ordered by size, and a plain step is a 1-token forward."""
+    from specdec.generation.adaptive import ForwardCost
+
+    cost = ForwardCost()
+    for n, seconds in [(1, 0.050), (3, 0.052), (5, 0.054), (2, 0.051), (4, 0.053)] * 4:
+        cost.observe(n, seconds)
+    assert cost.cost(1) == pytest.approx(0.050, abs=1e-4) and cost.cost(9) == pytest.approx(0.058, abs=1e-4)
+    shifting = ForwardCost()
+    for _ in range(10):
+        shifting.observe(6, 0.050)  # quiet machine
+    for _ in range(10):
+        shifting.observe(4, 0.100)  # a neighbour took the core
+    assert shifting.cost(6) >= shifting.cost(4) >= shifting.cost(1) > 0
+    single = ForwardCost()
+    single.observe(5, 0.050)  # one size only: 5% of a step per extra token
+    assert single.cost(9) == pytest.approx(0.050 * (1 + 0.05 * 4))

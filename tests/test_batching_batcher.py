@@ -249,3 +249,25 @@ async def test_sessions_just_served_are_gathered_into_one_step(gather):
         assert thread.steps[:2] == [["a"], ["a", "b"]] and len(thread.steps) == 5
     else:
         assert thread.steps[:3] == [["a"], ["b"], ["a"]] and len(thread.steps) == 8
+
+
+async def test_a_session_that_comes_back_late_is_not_waited_for():
+    """A speculative session drafts between two Verifies (and verifies between two Proposes): it is
+    back long after the gathering window. Once its return gap is known, steps no longer idle
+    waiting for it, while a session that returns in a round trip is still gathered."""
+    thread = TimedThread(0.03)
+    batcher = Batcher(thread, lambda works: list(works), gather=0.5)  # window: 15 ms
+    waits: dict[str, list[float]] = {"fast": [], "slow": []}
+
+    async def client(session_id: str, rounds: int, away_s: float):
+        for _ in range(rounds):
+            _, timing = await batcher.submit_timed(Work(session_id))
+            # TimedThread sleeps before the step function runs: its queued time includes the step.
+            waits[session_id].append(timing.queued_ns * 1e-9 - 0.03)
+            await asyncio.sleep(away_s)
+
+    await asyncio.gather(client("fast", 24, 0.001), client("slow", 5, 0.1))
+    await batcher.aclose()
+    # Only after the first step shared with "slow" (its gap unknown yet) did "fast" wait out the
+    # window; without the gaps it waits after every step "slow" was in.
+    assert sum(wait > 0.01 for wait in waits["fast"]) <= 1, waits["fast"]

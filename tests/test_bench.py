@@ -38,7 +38,8 @@ def test_bench_runs_end_to_end_and_writes_the_report_and_the_plot(models, tmp_pa
     result = subprocess.run(
         [sys.executable, "-m", "specdec.cli", "bench", "--target", str(target), "--draft", str(draft),
          "--prompts", str(prompts), "--max-new-tokens", "12", "--threads", "1", "--concurrency", "1,2",
-         "--concurrency-prompts", "2", "--timing-repeats", "1", "--no-progress", "--out", str(out),
+         "--concurrency-prompts", "2", "--timing-repeats", "1", "--k-policy", "fixed:4,2,server",
+         "--no-progress", "--out", str(out),
          "--log-dir", str(tmp_path / "logs")],
         cwd=REPO, capture_output=True, text=True, timeout=400, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
@@ -64,6 +65,15 @@ def test_bench_runs_end_to_end_and_writes_the_report_and_the_plot(models, tmp_pa
     for name in ("specdec-ngram-pipelined", "specdec-draft-pipelined"):
         assert overall[name]["lossless_fraction"] == 1.0, name
         assert 0.0 <= overall[name]["pipeline_hit_rate"] <= 1.0, name
+    # --k-policy fixed:4,2,server: k = 4 keeps the plain names, k = 2 and the server policy are methods.
+    assert {"specdec-ngram@k2", "specdec-draft@k2", "specdec-ngram@server", "specdec-draft@server"} <= set(overall)
+    assert overall["specdec-draft@k2"]["mean_drafted_per_cycle"] <= 2
+    for name in ("plain", "specdec-ngram", "specdec-draft", "specdec-draft@k2", "specdec-draft@server"):
+        m = overall[name]  # per-cycle cost: the services report model time, the rest is overhead
+        assert m["target_model_s_per_cycle"] > 0 and 0 < m["overhead_fraction"] < 1, name
+        assert m["cycle_s"] >= m["overhead_s_per_cycle"] + m["target_model_s_per_cycle"] - 1e-9, name
+    assert overall["specdec-draft"]["draft_model_s_per_cycle"] > 0
+    assert "overhead/cycle" in result.stdout
     assert set(report["batch1"]["by_category"]) == {"qa", "writing"}
     assert {"t_step", "t_verify", "t_draft"} <= set(overall["_step_times"])
     assert report["concurrency"]["2"]["plain"]["requests"] == 2
@@ -185,6 +195,23 @@ def test_delay_proxy_relays_bytes_and_holds_them(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_k_policy_names_every_fixed_length_and_the_server_policy():
+    from specdec.bench.methods import base_name, fixed_k_of, parse_k_policy, policy_variants
+
+    assert parse_k_policy("fixed", 4) == ([4], False)
+    assert parse_k_policy("server", 4) == ([], True)
+    assert parse_k_policy("fixed,server", 4) == ([4], True)
+    assert parse_k_policy("fixed:1,2,3,4,6,8,server", 4) == ([1, 2, 3, 4, 6, 8], True)
+    for bad in ("fixed:0", "fixed:x", "sometimes", ""):
+        with pytest.raises(ValueError):
+            parse_k_policy(bad, 4)
+    names = policy_variants("specdec-draft", [1, 4, 8], True, 4)
+    assert names == ["specdec-draft@k1", "specdec-draft", "specdec-draft@k8", "specdec-draft@server"]
+    assert policy_variants("specdec-draft", [2], False, 4) == ["specdec-draft", "specdec-draft@k2"]
+    assert [fixed_k_of(n, 4) for n in names] == [1, 4, 8, None]
+    assert {base_name(n) for n in names} == {"specdec-draft"}
 
 
 def test_method_choice_reports_what_is_not_built_or_lacks_a_draft():

@@ -352,3 +352,19 @@ async def test_killed_draft_means_plain_decoding_with_the_same_output(services, 
             await draft.start_session("after-kill", PROMPTS[1], GREEDY)
         result = await run_generation(target, draft, PROMPTS[1], GREEDY)
     assert result.token_ids == await plain(PROMPTS[1], GREEDY) and result.stats.fallbacks >= 1
+
+
+async def test_every_cycle_is_split_into_model_time_and_overhead(services, plain):
+    """Both services report their model time (ServerTiming); the loop's per-cycle accounting adds
+    it up and calls the rest overhead."""
+    target, draft = clients(services, "random")
+    async with target, draft:
+        result = await run_generation(target, draft, PROMPTS[0], GREEDY)
+    stats = result.stats
+    assert result.token_ids == await plain(PROMPTS[0], GREEDY)
+    assert stats.timed_cycles == stats.cycles + stats.decode_steps > 0
+    assert stats.draft_model_seconds > 0 and stats.target_model_seconds > 0
+    # Model time is part of each call's wall time, which is part of the cycle's.
+    assert stats.draft_model_seconds < stats.draft_seconds
+    assert stats.target_model_seconds < stats.verify_seconds + stats.decode_seconds
+    assert 0 < stats.overhead_seconds < stats.cycle_seconds

@@ -185,3 +185,21 @@ def test_genai_attribute_names_match_the_semantic_conventions():
     assert spans.usage_attributes(input_tokens=3, output_tokens=5, finish_reason="stop")[
         "gen_ai.response.finish_reasons"
     ] == ("stop",)
+
+
+def test_a_model_service_traces_its_calls_only_when_its_spans_go_somewhere(monkeypatch):
+    """Server spans nobody exports cost every cycle time (per-cycle overhead, issue 6)."""
+    from specdec.observability.tracing import exports_spans
+    from specdec.server.bootstrap import ServiceHost
+    from specdec.server.interceptors import ErrorMappingInterceptor
+    from specdec.server.settings import ServerSettings
+
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
+    assert not exports_spans(setup_tracing("quiet", 1.0))
+    assert exports_spans(setup_tracing("exporting", 1.0, InMemorySpanExporter()))
+    assert exports_spans(None)  # the global provider: unknown, so traced
+    settings = ServerSettings(port=0, plaintext=True)
+    untraced = ServiceHost(settings, lambda server: [], trace_calls=False)._interceptors()
+    traced = ServiceHost(settings, lambda server: [])._interceptors()
+    assert [type(i) for i in untraced] == [ErrorMappingInterceptor]
+    assert len(traced) == 2 and isinstance(traced[-1], ErrorMappingInterceptor)

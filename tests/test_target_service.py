@@ -439,3 +439,24 @@ def test_help_lists_the_flags(capsys):
     args = parser.parse_args(["serve", "target", "--model", "m", "--plaintext", "--session-ttl", "5"])
     assert (args.service, args.model, args.session_ttl, args.plaintext) == ("target", "m", 5.0, True)
     assert callable(args.func)
+
+
+async def test_verify_and_decode_report_their_model_time(services, reference):
+    """ServerTiming: each response says how long its work ran in the model; the client hands it to
+    the cycle being measured, so the coordinator can tell model time from overhead."""
+    from specdec.engine.cycle_cost import measure_cycle
+
+    expected = reference(PROMPT, 8)
+    async with client(services["main"]) as target:
+        session_id, position = await new_session(target)
+        with measure_cycle() as decode_cost:
+            await target.decode(session_id, position, 3)
+        with measure_cycle() as verify_cost:
+            await target.verify(session_id, position + 3, DraftBlock(token_ids=torch.tensor(expected[4:6])))
+        raw = await target._stub.Decode(target_pb2.TargetServiceDecodeRequest(
+            session_id=session_id, position=position + 6, num_tokens=1))
+        await target.end_session(session_id)
+    for cost in (decode_cost, verify_cost):
+        assert 0 < cost.target_model_s < cost.wall_s and cost.draft_model_s == 0
+        assert cost.queued_s >= 0 and cost.overhead_s > 0
+    assert raw.HasField("timing") and raw.timing.model_ns > 0

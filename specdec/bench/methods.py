@@ -40,10 +40,53 @@ def replay_method(alpha: float) -> str:
 
 
 SERVER_POLICY = "@server"  # suffix: the same method with the coordinator's own draft-length policy
+FIXED_K_PREFIX = "@k"  # suffix @k<N>: the same method with every request naming draft length N
 
 
 def base_name(name: str) -> str:
-    return name.removesuffix(SERVER_POLICY)
+    return name.split("@", 1)[0]
+
+
+def fixed_k_of(name: str, default: int | None) -> int | None:
+    """The draft length a method's requests name: N for ...@k<N>, None for ...@server (the
+    coordinator chooses), else `default`."""
+    if name.endswith(SERVER_POLICY):
+        return None
+    _, _, suffix = name.partition(FIXED_K_PREFIX)
+    return int(suffix) if suffix else default
+
+
+def parse_k_policy(text: str, default_k: int) -> tuple[list[int], bool]:
+    """--k-policy: (fixed draft lengths to run, whether to run the coordinator's policy too).
+
+    "fixed" = [default_k]; "server"; "fixed,server"; "fixed:1,2,4,server" (bare numbers after a
+    fixed: list are more fixed lengths)."""
+    ks: list[int] = []
+    server = False
+    for item in (part.strip() for part in text.split(",")):
+        if item == "server":
+            server = True
+        elif item == "fixed":
+            ks.append(default_k)
+        elif item.startswith("fixed:") or item.isdigit():
+            value = item.removeprefix("fixed:")
+            if not value.isdigit() or int(value) < 1:
+                raise ValueError(f"--k-policy: a fixed draft length is an integer >= 1, got {item!r}")
+            ks.append(int(value))
+        else:
+            raise ValueError(f"--k-policy: items are fixed, fixed:<k>, <k> or server; got {item!r} in {text!r}")
+    if not ks and not server:
+        raise ValueError(f"--k-policy names no policy: {text!r}")
+    return list(dict.fromkeys(ks)), server
+
+
+def policy_variants(method: str, ks: list[int], server: bool, default_k: int) -> list[str]:
+    """The names a speculative service method runs under: itself at default_k (when fixed lengths
+    are run), ...@k<N> for each other fixed length, ...@server for the coordinator's policy."""
+    names = [method if k == default_k else f"{method}{FIXED_K_PREFIX}{k}" for k in ks]
+    if ks and default_k not in ks:
+        names.insert(0, method)
+    return names + ([method + SERVER_POLICY] if server else [])
 
 
 def is_service(name: str) -> bool:

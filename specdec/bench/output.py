@@ -77,7 +77,8 @@ def assemble(bench: Bench, collected: Collected) -> dict:
             "draft_length_policy": {"policy": c.k_policy, "num_draft_tokens": c.num_draft_tokens,
                                     "note": "fixed: every request names k; server: the coordinator's default "
                                             "policy (request k = 0); fixed,server: methods named ...@server "
-                                            "use the coordinator's policy"},
+                                            "use the coordinator's policy; fixed:<k>,...: methods named "
+                                            "...@k<N> name draft length N"},
             "runs": c.runs, "seed": c.seed,
             "order": "batch 1: per prompt every method once, order rotated from prompt to prompt (base order "
                      "shuffled with the seed); engine step times measured in the same rotation",
@@ -96,21 +97,29 @@ def _f(value, fmt: str = "{:.2f}", scale: float = 1.0) -> str:
     return "-" if value is None else fmt.format(value * scale)
 
 
+def _overhead(m: dict) -> str:
+    """Per-cycle time outside the model forwards: "ms (% of the cycle)"."""
+    if m.get("overhead_s_per_cycle") is None:
+        return "-"
+    return f"{m['overhead_s_per_cycle'] * 1e3:.1f}ms {m['overhead_fraction']:.0%}"
+
+
 def tables(report: dict) -> str:
     lines = []
     overall = report["batch1"]["overall"]
-    lines.append(f"{'method':<20} {'tok/s':>7} {'speedup':>7} {'TTFT':>7} {'TPOT p50/p99 ms':>16} {'alpha':>6} "
-                 f"{'len':>5} {'ideal':>6} {'eff':>5} {'eff mix':>7} {'lossless':>8} {'pipe hit':>8}")
+    lines.append(f"{'method':<22} {'tok/s':>7} {'speedup':>7} {'TTFT':>7} {'TPOT p50/p99 ms':>16} {'alpha':>6} "
+                 f"{'len':>5} {'ideal':>6} {'eff':>5} {'eff mix':>7} {'lossless':>8} {'pipe hit':>8} "
+                 f"{'overhead/cycle':>14}")
     for name, m in overall.items():
         if name.startswith("_"):
             continue
         tpot = f"{_f(m['tpot_p50_s'], '{:.1f}', 1e3)}/{_f(m['tpot_p99_s'], '{:.1f}', 1e3)}"
-        lines.append(f"{name:<20} {_f(m['tokens_per_s'], '{:.1f}'):>7} {_f(m.get('speedup')):>7} "
+        lines.append(f"{name:<22} {_f(m['tokens_per_s'], '{:.1f}'):>7} {_f(m.get('speedup')):>7} "
                      f"{_f(m['ttft_p50_s'], '{:.0f}', 1e3):>5}ms {tpot:>16} {_f(m.get('alpha')):>6} "
                      f"{_f(m.get('mean_accepted_length')):>5} {_f(m.get('ideal')):>6} {_f(m.get('efficiency')):>5} "
                      f"{_f(m.get('efficiency_cycle_mix')):>7} "
                      f"{_f(m.get('lossless_fraction'), '{:.0%}', 1):>8} "
-                     f"{_f(m.get('pipeline_hit_rate'), '{:.0%}', 1):>8}")
+                     f"{_f(m.get('pipeline_hit_rate'), '{:.0%}', 1):>8} {_overhead(m):>14}")
     speculative = [n for n in overall if is_speculative(n) and overall[n].get("speedup") is not None]
     if speculative:
         lines.append("")
@@ -122,12 +131,14 @@ def tables(report: dict) -> str:
             lines.append(f"WARNING {name}: {m['warning']}")
     if report.get("concurrency"):
         lines.append("")
-        lines.append(f"{'sessions':<9} {'method':<20} {'tok/s':>7} {'vs plain':>8} {'TPOT p50/p99 ms':>16} {'TTFT p50':>9}")
+        lines.append(f"{'sessions':<9} {'method':<22} {'tok/s':>7} {'vs plain':>8} {'TPOT p50/p99 ms':>16} {'TTFT p50':>9}"
+                     f" {'overhead/cycle':>14}")
         for level, table in sorted(report["concurrency"].items(), key=lambda kv: int(kv[0])):
             for name, m in table.items():
                 tpot = f"{_f(m['tpot_p50_s'], '{:.1f}', 1e3)}/{_f(m['tpot_p99_s'], '{:.1f}', 1e3)}"
-                lines.append(f"{level:<9} {name:<20} {_f(m['tokens_per_s'], '{:.1f}'):>7} "
-                             f"{_f(m.get('throughput_vs_plain')):>8} {tpot:>16} {_f(m['ttft_p50_s'], '{:.0f}', 1e3):>7}ms")
+                lines.append(f"{level:<9} {name:<22} {_f(m['tokens_per_s'], '{:.1f}'):>7} "
+                             f"{_f(m.get('throughput_vs_plain')):>8} {tpot:>16} {_f(m['ttft_p50_s'], '{:.0f}', 1e3):>7}ms"
+                             f" {_overhead(m):>14}")
     if report.get("netem"):
         lines.append("")
         lines.append(f"network delay ({report['netem']['network']['mode']}), batch 1:")

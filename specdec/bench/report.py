@@ -24,8 +24,7 @@ from typing import Iterable
 import numpy as np
 
 from specdec.bench.methods import (DEFAULT_REFERENCE, PIPELINED_SUFFIX, REFERENCE, REPLAY_PREFIX, SERVER_POLICY,
-                                   RequestResult,
-                                   base_name, is_service, is_speculative)
+                                   RequestResult, base_name, fixed_k_of, is_service, is_speculative)
 from specdec.bench.timing import StepTimes, summarize
 from specdec.generation.equality import compare_outputs
 
@@ -40,7 +39,8 @@ def timed_proposer(name: str) -> str | None:
 
 _SUMMED = ("cycles", "drafted", "accepted", "recovered", "bonus", "decode_steps", "fallbacks", "draft_seconds",
            "verify_seconds", "decode_seconds", "pipeline_hits", "pipeline_misses", "pipeline_wrong_guesses",
-           "pipeline_rejected_last")
+           "pipeline_rejected_last", "timed_cycles", "cycle_seconds", "draft_model_seconds",
+           "target_model_seconds", "queued_seconds", "handler_seconds", "call_seconds")
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -102,6 +102,28 @@ def group_metrics(results: list[RequestResult], wall_s: float | None = None) -> 
             "service_verify_s_per_cycle": s["verify_seconds"] / cycles if cycles else None,
             "service_decode_s_per_step": s["decode_seconds"] / s["decode_steps"] if s["decode_steps"] else None,
         })
+        out.update(cycle_cost(s))
+    return out
+
+
+def cycle_cost(s: dict) -> dict:
+    """Per cycle (speculative or plain): wall time, time in each model as the services reported it,
+    and the overhead (the rest: RPC, batching, conversions, coordination), also as a fraction."""
+    n = s.get("timed_cycles", 0)
+    if not n:
+        return {}
+    model = s["draft_model_seconds"] + s["target_model_seconds"]
+    overhead = max(0.0, s["cycle_seconds"] - model)
+    out = {"cycle_s": s["cycle_seconds"] / n, "draft_model_s_per_cycle": s["draft_model_seconds"] / n,
+           "target_model_s_per_cycle": s["target_model_seconds"] / n, "overhead_s_per_cycle": overhead / n,
+           "overhead_fraction": overhead / s["cycle_seconds"] if s["cycle_seconds"] else None}
+    if s.get("call_seconds"):  # the overhead's parts, where the services reported their handler times
+        out["overhead_parts_s_per_cycle"] = {
+            "coordinator": (s["cycle_seconds"] - s["call_seconds"]) / n,  # the loop, hand-offs, Redis waits
+            "transport": (s["call_seconds"] - s["handler_seconds"]) / n,  # gRPC both ends, interceptors, wake-ups
+            "service_queued": s["queued_seconds"] / n,  # batcher windows, running steps, the model-thread hop
+            "service_other": (s["handler_seconds"] - s["queued_seconds"] - model) / n,  # checks, conversions
+        }
     return out
 
 
@@ -163,7 +185,7 @@ def phase_table(results: list[RequestResult], methods: list[str], times: list[St
             m["speedup"] = m["tokens_per_s"] / ref_metrics["tokens_per_s"]
             m.update(lossless(by_method[name], by_method[reference]))
         if timed_proposer(name):
-            g = None if name.endswith(SERVER_POLICY) else draft_length  # None: the mean k used
+            g = fixed_k_of(name, draft_length)  # None: the mean k used
             m.update(ideal_speedup(m, timing, timed_proposer(name), g))
             if not m.get("cycles"):
                 m["warning"] = ("no speculative cycle at all: the coordinator decoded plainly (draft refused, "

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from specdec.bench import meta, phases
 from specdec.bench.methods import (CATALOG, REPLAY_PREFIX, SERVER_POLICY, InProcessPlain, RequestResult,
-                                   ServiceMethod, choose_methods, is_pipelined, is_service, proposer_of)
+                                   ServiceMethod, base_name, choose_methods, fixed_k_of, is_pipelined, is_service,
+                                   parse_k_policy, policy_variants, proposer_of)
 from specdec.bench.prompts import load_prompts, select_prompts
 from specdec.bench.services import Deployment, ServiceOptions
 from specdec.bench.timing import EngineTimer, StepTimes
@@ -33,7 +34,7 @@ class BenchConfig:
     limit: int | None = None
     max_new_tokens: int = 128
     num_draft_tokens: int = 4
-    k_policy: str = "fixed"  # fixed | server | fixed,server (every speculative service method twice)
+    k_policy: str = "fixed"  # fixed | server | fixed,server | fixed:1,2,4,server (methods.parse_k_policy)
     methods: tuple[str, ...] = ()  # empty: every method
     replay_alphas: tuple[float, ...] = ()  # one replay method per alpha (model-scale runs)
     replay_seed: int = 0
@@ -86,11 +87,12 @@ class Bench:
         self.target_dir = resolve(c.target, c)
         self.draft_dir = resolve(c.draft, c) if c.draft else None
         self.methods, self.skipped = choose_methods(list(c.methods), self.draft_dir is not None, c.replay_alphas)
-        self.policies = c.k_policy.split(",")
-        if self.policies not in (["fixed"], ["server"], ["fixed", "server"]):
-            raise ValueError(f"--k-policy is fixed, server or fixed,server; got {c.k_policy!r}")
-        if len(self.policies) == 2:  # the coordinator's own policy beside fixed k, as methods of their own
-            self.methods += [m + SERVER_POLICY for m in self.methods if is_service(m) and proposer_of(m)]
+        self.fixed_ks, self.server_policy = parse_k_policy(c.k_policy, c.num_draft_tokens)
+        self.server_only = not self.fixed_ks  # every speculative request lets the coordinator choose
+        if not self.server_only:  # other lengths and the coordinator's policy, as methods of their own
+            self.methods = [v for m in self.methods for v in (
+                policy_variants(m, self.fixed_ks, self.server_policy, c.num_draft_tokens)
+                if is_service(m) and proposer_of(m) else [m])]
         tokenizer = load_tokenizer(self.target_dir)
         self.eos = set() if c.ignore_eos else eos_token_ids(tokenizer, self.target_dir)
         self.prompt_ids = {p.question_id: encode_prompt(tokenizer, p.text) for p in self.prompts}
@@ -123,8 +125,7 @@ class Bench:
         c = self.config
         out = {}
         for name in self.methods:
-            server = name.endswith(SERVER_POLICY) or self.policies == ["server"]
-            k = 0 if server else c.num_draft_tokens  # 0: the coordinator chooses
+            k = 0 if self.server_only else (fixed_k_of(name, c.num_draft_tokens) or 0)  # 0: the coordinator chooses
             if name == "plain":
                 out[name] = ServiceMethod(name, coordinators["baseline"], "baseline", 0, c.ignore_eos)
             elif is_service(name):
@@ -167,7 +168,7 @@ class Bench:
                             c.device, c.dtype)
             self.collected.notes["hf"] = peers.settings()
             self.runners.update({m: peers.method(m) for m in self.methods if m.startswith("hf-")})
-        max_verify = max(c.num_draft_tokens, 8 if "server" in self.policies else 0) + 1
+        max_verify = max(c.num_draft_tokens, *self.fixed_ks, 8 if self.server_policy else 0) + 1
         return EngineTimer(target, drafts, max_verify, c.max_new_tokens // 2, c.timing_repeats)
 
     def write_references(self, plain: InProcessPlain) -> None:
@@ -238,8 +239,10 @@ class Bench:
         catalog = {**CATALOG, **{m: "this system distributed, replay proposer: the draft model's forward passes, "
                                     "the target's greedy token with probability alpha" for m in self.methods
                                  if m.startswith(REPLAY_PREFIX)},
-                   **{m: f"{CATALOG.get(m[:-len(SERVER_POLICY)], m)}; the coordinator's own draft-length policy"
-                      for m in self.methods if m.endswith(SERVER_POLICY)}}
+                   **{m: f"{CATALOG.get(base_name(m), m)}; the coordinator's own draft-length policy"
+                      for m in self.methods if m.endswith(SERVER_POLICY)},
+                   **{m: f"{CATALOG.get(base_name(m), m)}; every request drafts k = {fixed_k_of(m, None)}"
+                      for m in self.methods if "@k" in m}}
         for name, text in catalog.items():
             status = "run" if name in self.methods else ("skipped" if name in self.skipped else "not requested")
             out[name] = {"description": text, "status": status, **({"why": self.skipped[name]}

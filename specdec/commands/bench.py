@@ -52,9 +52,11 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--limit", type=int, help="at most N prompts, taken round-robin over categories")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--num-draft-tokens", "-k", type=int, default=4)
-    parser.add_argument("--k-policy", choices=["fixed", "server", "fixed,server"], default="fixed",
+    parser.add_argument("--k-policy", default="fixed",
                         help="fixed: every request drafts k; server: the coordinator's own draft-length policy "
-                             "(request k = 0); fixed,server: both, the latter as methods named ...@server")
+                             "(request k = 0); fixed,server: both, the latter as methods named ...@server; "
+                             "fixed:1,2,3,4,6,8,server: every listed k (methods ...@k<N>, k itself keeps the "
+                             "plain name) and the coordinator's policy, in one interleaved run")
     parser.add_argument("--methods", default="", help=f"comma-separated subset of: {', '.join(CATALOG)}")
     parser.add_argument("--runs", type=int, default=1, help="passes over the prompts (batch 1)")
     parser.add_argument("--concurrency", type=_ints, default=(1,),

@@ -17,6 +17,7 @@ import contextvars
 import logging
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, Callable, Collection, Generic, Protocol, Sequence, TypeVar
 
 from specdec.engine.batch import DecodeWork
@@ -28,6 +29,19 @@ W = TypeVar("W")
 R = TypeVar("R")
 Step = Callable[[list], list]  # works -> one result or exception per work, on the model thread
 StepObserver = Callable[[list, list, float], None]  # (works, results, seconds) after each step
+
+
+@dataclass
+class StepTiming:
+    """What a submitted work item cost where (nanoseconds): the step it ran in, on the model
+    thread, and its wait before that step started. The ServerTiming its RPC reports."""
+
+    model_ns: int = 0
+    queued_ns: int = 0
+
+    def add(self, other: "StepTiming") -> None:
+        self.model_ns += other.model_ns
+        self.queued_ns += other.queued_ns
 
 
 class ModelThread(Protocol):
@@ -58,8 +72,10 @@ class Batcher(Generic[W, R]):
         self.gather = gather  # see _gather
         self.on_step = on_step
         self.key = key  # the session a work item belongs to
-        self._queue: deque[tuple[W, asyncio.Future]] = deque()
+        self._queue: deque[tuple[W, asyncio.Future, int]] = deque()  # (work, future, enqueued at, ns)
         self._recent: set = set()  # sessions of the last step, still open
+        self._served_at: dict = {}  # session -> perf_counter() when its last result was delivered
+        self._return_gap: dict = {}  # session -> running average of result-to-next-submit seconds
         self._last_end: float | None = None  # perf_counter() when the last step ended
         self._last_seconds = 0.0
         self._wakeup: asyncio.Event | None = None
@@ -73,10 +89,15 @@ class Batcher(Generic[W, R]):
 
     async def submit(self, work: W) -> R:
         """Run `work` in the next step; its result, or its own exception raised here."""
+        return (await self.submit_timed(work))[0]
+
+    async def submit_timed(self, work: W) -> tuple[R, StepTiming]:
+        """As submit, with what the work cost: its step's time on the model thread, its wait."""
         if self._closed:
             raise ServiceUnavailable("the service is shutting down")
         future = asyncio.get_running_loop().create_future()
-        self._queue.append((work, future))
+        self._note_return(self.key(work))
+        self._queue.append((work, future, time.perf_counter_ns()))
         self._start_worker()
         self._wakeup.set()
         return await future
@@ -84,6 +105,15 @@ class Batcher(Generic[W, R]):
     def forget(self, key: object) -> None:
         """The session ended: no step waits for its next work."""
         self._recent.discard(key)
+        self._served_at.pop(key, None)
+        self._return_gap.pop(key, None)
+
+    def _note_return(self, key: object) -> None:
+        served = self._served_at.pop(key, None)
+        if served is not None:
+            gap = time.perf_counter() - served
+            old = self._return_gap.get(key)
+            self._return_gap[key] = gap if old is None else 0.7 * old + 0.3 * gap
 
     async def aclose(self) -> None:
         """Stop the worker; queued work fails with ServiceUnavailable (a running step finishes on
@@ -96,7 +126,7 @@ class Batcher(Generic[W, R]):
             except asyncio.CancelledError:
                 pass
         while self._queue:
-            _, future = self._queue.popleft()
+            _, future, _ = self._queue.popleft()
             if not future.done():
                 future.set_exception(ServiceUnavailable("the service is shutting down"))
 
@@ -123,20 +153,23 @@ class Batcher(Generic[W, R]):
         """Hold a non-full batch until the sessions of the last step are queued again, for at most
         `gather` times the last step's duration.
 
-        Each of them sends its next work one round trip after its result. Started without them, a
-        step keeps them out, they form the next step, and the sessions settle into alternating
-        half-size steps: twice the forwards for the same tokens. Nothing is held for a lone
-        session (its own return is what the worker waits for anyway), for an ended one, nor once
-        the time is up."""
+        A plain decoding session sends its next work one round trip after its result. Started
+        without them, a step keeps them out, they form the next step, and the sessions settle into
+        alternating half-size steps: twice the forwards for the same tokens. Nothing is held for a
+        lone session (its own return is what the worker waits for anyway), for an ended one, for
+        one that usually comes back later than the window (a speculative session verifies on the
+        target between two Proposes and drafts between two Verifies: waiting for it idles the
+        model), nor once the time is up."""
         if not self.gather or self._last_end is None:
             return
-        expected = self._recent
+        window = self.gather * self._last_seconds
+        expected = {key for key in self._recent if self._return_gap.get(key, 0.0) <= window}
 
         def ready() -> bool:
-            queued = {self.key(work) for work, _ in self._queue}
+            queued = {self.key(work) for work, _, _ in self._queue}
             return len(self._queue) >= self.max_batch_size or expected <= queued
 
-        await self._wait_until(ready, self._last_end + self.gather * self._last_seconds)
+        await self._wait_until(ready, self._last_end + window)
 
     async def _wait_until(self, ready: Callable[[], bool], deadline: float) -> None:
         while not ready():
@@ -149,24 +182,31 @@ class Batcher(Generic[W, R]):
             except asyncio.TimeoutError:
                 return
 
-    def _take(self) -> list[tuple[W, asyncio.Future]]:
+    def _take(self) -> list[tuple[W, asyncio.Future, int]]:
         """Up to max_batch_size queued items, oldest first; callers that gave up are skipped."""
         batch = []
         while self._queue and len(batch) < self.max_batch_size:
-            work, future = self._queue.popleft()
-            if not future.done():  # cancelled while queued: the work never starts
-                batch.append((work, future))
+            item = self._queue.popleft()
+            if not item[1].done():  # cancelled while queued: the work never starts
+                batch.append(item)
         return batch
 
-    async def _run(self, batch: list[tuple[W, asyncio.Future]]) -> None:
-        works = [work for work, _ in batch]
+    def _timed_step(self, works: list) -> tuple[list, int, int]:
+        """The step, on the model thread, timed there: its start and end (perf_counter_ns)."""
+        started = time.perf_counter_ns()
+        results = self.step(works)
+        return results, started, time.perf_counter_ns()
+
+    async def _run(self, batch: list[tuple[W, asyncio.Future, int]]) -> None:
+        works = [work for work, _, _ in batch]
         started = time.perf_counter()
+        step_start = step_end = time.perf_counter_ns()
         try:
-            results = await self.executor.run(self.step, works)
+            results, step_start, step_end = await self.executor.run(self._timed_step, works)
             if len(results) != len(works):
                 raise RuntimeError(f"a batched step returned {len(results)} results for {len(works)} works")
         except asyncio.CancelledError:
-            for _, future in batch:
+            for _, future, _ in batch:
                 if not future.done():
                     future.set_exception(ServiceUnavailable("the service is shutting down"))
             raise
@@ -176,18 +216,25 @@ class Batcher(Generic[W, R]):
         self._last_end = time.perf_counter()
         elapsed = self._last_seconds = self._last_end - started
         self._recent = {self.key(work) for work in works}
-        for (_, future), result in zip(batch, results):
+        for key in self._recent:
+            self._served_at[key] = self._last_end
+        for (_, future, enqueued), result in zip(batch, results):
             if future.done():  # the caller gave up while the step ran
                 continue
             if isinstance(result, BaseException):
                 future.set_exception(result)
             else:
-                future.set_result(result)
+                future.set_result((result, StepTiming(step_end - step_start, max(0, step_start - enqueued))))
         if self.on_step is not None:
-            try:
-                self.on_step(works, results, elapsed)
-            except Exception:  # noqa: BLE001 - metrics must never stop the worker
-                log.exception("batch step observer failed")
+            # After the callers: their handlers were scheduled when their futures resolved and run
+            # first, so metrics never sit between a step's end and its responses.
+            asyncio.get_running_loop().call_soon(self._observe, works, results, elapsed)
+
+    def _observe(self, works: list, results: list, elapsed: float) -> None:
+        try:
+            self.on_step(works, results, elapsed)
+        except Exception:  # noqa: BLE001 - metrics must never stop the worker
+            log.exception("batch step observer failed")
 
 
 async def decode_steps(
@@ -197,19 +244,24 @@ async def decode_steps(
     num_tokens: int,
     append_token_ids: Sequence[int] = (),
     stop_token_ids: Collection[int] = (),
+    timing: StepTiming | None = None,
 ) -> list[int]:
     """A multi-token Decode as a sequence of one-token steps, each joining whatever batch runs next.
 
     The first step commits append_token_ids and checks that the whole budget fits the context (as
     engine.decode does); decoding ends after num_tokens tokens or right after a stop token (which
-    is committed, like the others)."""
+    is committed, like the others). `timing`, if given, sums what the steps cost."""
+    timing = timing if timing is not None else StepTiming()
     stop = frozenset(stop_token_ids)
     first = DecodeWork(session_id, position, tuple(int(t) for t in append_token_ids),
                        num_tokens=min(num_tokens, 1), room=num_tokens)
-    generated: list[int] = await batcher.submit(first)
+    generated, cost = await batcher.submit_timed(first)
+    timing.add(cost)
     position += len(first.append_token_ids) + len(generated)
     while len(generated) < num_tokens and generated[-1] not in stop:
         step = DecodeWork(session_id, position, num_tokens=1, room=num_tokens - len(generated))
-        generated += await batcher.submit(step)
+        tokens, cost = await batcher.submit_timed(step)
+        timing.add(cost)
+        generated += tokens
         position += 1
     return generated

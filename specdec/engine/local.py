@@ -1,6 +1,7 @@
 """In-process implementations of TargetAPI / DraftAPI: the engines called directly, no network.
 
 The gRPC clients implement the same protocols, so the speculative loop cannot tell them apart.
+Every call is model time for the loop's per-cycle cost accounting (there is no RPC to pay).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from typing import Sequence
 from specdec.engine.api import Proposal
 from specdec.engine.draft import DraftEngine
 from specdec.engine.target import TargetEngine
+from specdec.engine.cycle_cost import DRAFT, TARGET, model_time
 from specdec.models.base import ModelInfo
 from specdec.sampling.params import SamplingParams
 from specdec.types import DraftBlock, VerifyOutcome
@@ -25,12 +27,14 @@ class LocalTarget:
         return self.engine.start_session(session_id, token_ids, params, sample_first_token)
 
     async def verify(self, session_id: str, position: int, draft: DraftBlock, epoch: int = 0) -> VerifyOutcome:
-        return self.engine.verify(session_id, position, draft)
+        with model_time(TARGET):
+            return self.engine.verify(session_id, position, draft)
 
     async def decode(
         self, session_id: str, position: int, num_tokens: int, append_token_ids: Sequence[int] = ()
     ) -> list[int]:
-        return self.engine.decode(session_id, position, num_tokens, append_token_ids)
+        with model_time(TARGET):
+            return self.engine.decode(session_id, position, num_tokens, append_token_ids)
 
     async def truncate(self, session_id: str, position: int) -> int:
         return self.engine.truncate(session_id, position)
@@ -58,8 +62,9 @@ class LocalDraft:
         parent_epoch: int = 0,
         speculative: bool = False,
     ) -> Proposal:
-        return self.engine.propose(session_id, keep_position, append_token_ids, num_draft_tokens, parent_epoch,
-                                   speculative)
+        with model_time(DRAFT):
+            return self.engine.propose(session_id, keep_position, append_token_ids, num_draft_tokens, parent_epoch,
+                                       speculative)
 
     async def truncate(self, session_id: str, position: int) -> int:
         return self.engine.truncate(session_id, position)

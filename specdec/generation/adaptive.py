@@ -1,12 +1,26 @@
 """Adaptive draft length per session: maximise expected tokens per unit of time.
 
-Leviathan et al. (2023, sec. 3.3): with per-token acceptance a, a cycle that drafts k tokens
-commits E(k) = (1 - a^(k+1)) / (1 - a) tokens on average and costs k * t_draft + t_verify(k + 1).
-Plain decoding commits 1 token per t_plain. We pick the k (0 = plain decoding) with the highest
-E(k) / cost(k), from a, t_draft, t_verify and t_plain measured on this session; so a draft that
-stops paying (low acceptance, a loaded target whose verify grows with k) is shrunk or switched off,
-and re-probed every `probe_every` plain cycles in case the text became predictable again. A target
-that trims drafts under load (it sees the whole batch) caps k at what it verified.
+Leviathan et al. (2023, sec. 3.3): a cycle that drafts k tokens commits E(k) tokens on average and
+costs k * t_draft + t_verify(k + 1); plain decoding commits 1 token per t_plain. We pick the k
+(0 = plain decoding) with the highest E(k) / cost(k), from quantities measured on this session, so
+a draft that stops paying (low acceptance, a loaded target whose verify grows with k) is shrunk or
+switched off, and re-probed every `probe_every` plain cycles in case the text became predictable
+again. A target that trims drafts under load (it sees the whole batch) caps k at what it verified.
+
+Three refinements over the textbook rule, all because the textbook rule lost to a fixed k = 4 in
+the benchmark (docs/BENCHMARKS.md):
+- Costs are split into model time and a fixed per-cycle overhead (RPC, batching, coordination;
+  engine/cycle_cost.py). Dividing a whole Propose call's wall time by k charged the call's
+  fixed cost per drafted token: short drafts looked cheap, long ones dear. Now cost(k) =
+  k * t_draft + t_verify(k + 1) + overhead_speculative and a plain step t_plain + overhead_plain.
+- E(k) comes from the acceptance measured at each draft position, not from one rate a and the
+  geometric series 1 + a + ... + a^k. Lookup drafts (n-gram) are not geometric: a draft that
+  copies a repeated span is accepted the longer, the further it got. Each position's conditional
+  rate is shrunk toward the overall rate, so unseen or rarely reached positions use that.
+- The target's cost is one line t(n) = t0 + t1 * n over the tokens a forward verifies, fitted to
+  every verify and plain step of the session (a plain step is a forward of one token), instead of
+  a separate running average per size: on a shared CPU one slow step made its size look dear
+  for many cycles, and sizes measured at different loads were compared with each other.
 
 Pure bookkeeping: no I/O, no clocks. The loop reports what each cycle cost.
 """
@@ -17,7 +31,8 @@ from dataclasses import dataclass, field
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
-    """E(k) = 1 + a + ... + a^k: tokens a cycle of k drafted tokens commits on average."""
+    """E(k) = 1 + a + ... + a^k: tokens a cycle of k drafted tokens commits on average, when every
+    drafted token is accepted with the same probability a (Leviathan et al., eq. 1)."""
     if acceptance >= 1.0:
         return float(k + 1)
     return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
@@ -31,16 +46,24 @@ class DraftLengthPolicy:
     warmup_cycles: int = 3  # speculative cycles at `initial` before adapting
     probe_every: int = 16  # plain cycles between re-probes once speculation is off
     prior_acceptance: float = 0.5
+    prior_trials: float = 2.0  # pseudo-trials: two lucky cycles don't mean a = 1
+    # False: a fixed draft length (the request named it); only the loaded target's trimming
+    # shortens it, for probe_every cycles at a time (see limit()).
+    adapt: bool = True
     # Running estimates (exponentially weighted).
     _accepted: float = 0.0  # accepted draft tokens
     _trials: float = 0.0  # acceptance tests: accepted tokens + rejections
-    _draft_s: float | None = None  # seconds per drafted token
-    _plain_s: float | None = None  # seconds per plain decoding step
-    _verify_s: dict[int, float] = field(default_factory=dict)  # tokens verified (k + 1) -> seconds
+    _tested: list[float] = field(default_factory=list)  # [j]: cycles whose draft token j was tested
+    _passed: list[float] = field(default_factory=list)  # [j]: ... and accepted
+    _draft_s: float | None = None  # model seconds per drafted token
+    _forward: "ForwardCost" = field(default_factory=lambda: ForwardCost())  # target seconds by tokens fed
+    _speculative_overhead_s: float | None = None  # per speculative cycle, outside the models
+    _plain_overhead_s: float | None = None  # per plain cycle, outside the model
     _cycles: int = 0
     _plain_since_probe: int = 0
     _current: int = 0
     _probe_interval: int = 0  # plain cycles between probes now: probe_every, longer under load
+    _limited_for: int = 0  # fixed length: cycles drafted under a trimmed limit so far
 
     def __post_init__(self) -> None:
         self._current = max(0, min(self.initial, self.max_tokens))
@@ -50,8 +73,21 @@ class DraftLengthPolicy:
     def acceptance(self) -> float:
         # Each cycle runs acceptance tests until the first rejection: accepted / trials estimates
         # the per-token acceptance rate without the bias of counting only accepted tokens.
-        prior = 2.0  # pseudo-trials of prior_acceptance, so two lucky cycles don't mean a = 1
-        return (self._accepted + prior * self.prior_acceptance) / (self._trials + prior)
+        return (self._accepted + self.prior_trials * self.prior_acceptance) / (self._trials + self.prior_trials)
+
+    def position_acceptance(self, j: int) -> float:
+        """P(draft token j is accepted | tokens 0..j-1 were), shrunk toward the overall rate."""
+        tested = self._tested[j] if j < len(self._tested) else 0.0
+        passed = self._passed[j] if j < len(self._passed) else 0.0
+        return (passed + self.prior_trials * self.acceptance) / (tested + self.prior_trials)
+
+    def expected_tokens(self, k: int) -> float:
+        """E(k) = 1 + sum over j < k of P(tokens 0..j all accepted), from the per-position rates."""
+        total, survive = 1.0, 1.0
+        for j in range(k):
+            survive *= self.position_acceptance(j)
+            total += survive
+        return total
 
     def next_k(self) -> int:
         """How many tokens to draft in the next cycle (0: decode plainly)."""
@@ -62,17 +98,24 @@ class DraftLengthPolicy:
             return 0
         return self._current
 
-    def observe_cycle(self, k: int, num_accepted: int, draft_s: float, verify_s: float) -> None:
+    def observe_cycle(self, k: int, num_accepted: int, draft_s: float, verify_s: float,
+                      overhead_s: float = 0.0) -> None:
+        """A speculative cycle: k tokens verified, num_accepted accepted; model seconds of the
+        draft (all k tokens) and of the verify, and the cycle's seconds outside the models."""
         rejected = 1 if num_accepted < k else 0
         if k > 0:  # the target verified a draft: the load lets speculation through again
             self._probe_interval = self.probe_every
         self._accepted = self.decay * self._accepted + num_accepted
         self._trials = self.decay * self._trials + num_accepted + rejected
+        self._observe_positions(k, num_accepted)
         if k > 0:
             self._draft_s = self._ewma(self._draft_s, draft_s / k)
-        self._verify_s[k + 1] = self._ewma(self._verify_s.get(k + 1), verify_s)
+        self._forward.observe(k + 1, verify_s)
+        self._speculative_overhead_s = self._ewma(self._speculative_overhead_s, overhead_s)
         self._cycles += 1
-        if self._cycles >= self.warmup_cycles:
+        if not self.adapt:
+            self._restore_fixed_length()
+        elif self._cycles >= self.warmup_cycles:
             self._current = self.best_k()
 
     def limit(self, num_tokens: int) -> None:
@@ -81,48 +124,104 @@ class DraftLengthPolicy:
         later cycle shows more pays. 0 switches to plain decoding, re-probed ever less often while
         the target keeps refusing (every probe costs the loaded batch a draft round trip)."""
         self._current = min(self._current, max(0, num_tokens))
+        self._limited_for = 0
         if num_tokens == 0:
             self._probe_interval = min(2 * self._probe_interval, 16 * self.probe_every)
 
-    def observe_plain(self, step_s: float) -> None:
-        self._plain_s = self._ewma(self._plain_s, step_s)
+    def observe_plain(self, step_s: float, overhead_s: float = 0.0) -> None:
+        self._forward.observe(1, step_s)
+        self._plain_overhead_s = self._ewma(self._plain_overhead_s, overhead_s)
         self._plain_since_probe += 1
+
+    def _restore_fixed_length(self) -> None:
+        """A fixed length cut by the target's trimming is tried in full again after probe_every
+        cycles: the load may have gone (cut to 0, next_k's probes do the same)."""
+        if 0 < self._current < self.initial:
+            self._limited_for += 1
+            if self._limited_for >= self.probe_every:
+                self._current = min(self.initial, self.max_tokens)
+        elif self._current == 0 and self._plain_since_probe == 0:  # a probe cycle was verified
+            self._current = min(self.initial, self.max_tokens)
 
     def best_k(self) -> int:
         """argmax over k in [0, max_tokens] of E(k) / cost(k); 0 wins when drafting doesn't pay."""
         plain = self._plain_cost()
         if plain is None or self._draft_s is None:
             return self._current
-        a = self.acceptance
+        speculative_overhead = self._speculative_overhead_s or 0.0
         best_k, best_rate = 0, 1.0 / plain
         for k in range(1, self.max_tokens + 1):
-            rate = expected_tokens(a, k) / (k * self._draft_s + self.verify_cost(k + 1))
+            cost = k * self._draft_s + self.verify_cost(k + 1) + speculative_overhead
+            rate = self.expected_tokens(k) / cost
             if rate > best_rate * 1.0001:  # ties go to the shorter draft
                 best_k, best_rate = k, rate
         return best_k
 
     def verify_cost(self, num_tokens: int) -> float:
-        """Seconds to verify num_tokens: measured, or interpolated linearly between measured sizes.
-
-        Beyond the measured range a verify is assumed to grow by 5% of a step per extra token:
-        cautious on CPUs (a forward of more tokens costs more) and nearly flat as on GPUs."""
-        known = sorted(self._verify_s.items())
-        if num_tokens in self._verify_s:
-            return self._verify_s[num_tokens]
-        below = [(n, t) for n, t in known if n < num_tokens]
-        above = [(n, t) for n, t in known if n > num_tokens]
-        if below and above:
-            (n0, t0), (n1, t1) = below[-1], above[0]
-            return t0 + (t1 - t0) * (num_tokens - n0) / (n1 - n0)
-        n0, t0 = (below[-1] if below else above[0])
-        return max(t0 * (1.0 + 0.05 * (num_tokens - n0)), 1e-9)
+        """Target model seconds of a forward that verifies num_tokens (1: a plain step)."""
+        return self._forward.cost(num_tokens)
 
     def _plain_cost(self) -> float | None:
-        if self._plain_s is not None:
-            return self._plain_s
-        if self._verify_s:  # a 1-token verify is a plain step; estimate it from what was seen
-            return self.verify_cost(1)
-        return None
+        """Seconds per plain step, overhead included. Before any plain step was seen: the
+        speculative cycles' overhead (which include a Propose round trip that plain decoding would
+        not pay: an estimate that leans toward speculating, until a plain step measures the truth)."""
+        if not self._forward.seen:
+            return None
+        step = self.verify_cost(1)
+        overhead = self._plain_overhead_s
+        if overhead is None:
+            overhead = self._speculative_overhead_s or 0.0
+        return step + overhead
+
+    def _observe_positions(self, k: int, num_accepted: int) -> None:
+        """Token j was tested iff j <= num_accepted (tests stop at the first rejection)."""
+        grow = k - len(self._tested)
+        if grow > 0:
+            self._tested.extend([0.0] * grow)
+            self._passed.extend([0.0] * grow)
+        for j in range(len(self._tested)):
+            self._tested[j] *= self.decay
+            self._passed[j] *= self.decay
+        for j in range(min(k, num_accepted + 1)):
+            self._tested[j] += 1.0
+            self._passed[j] += 1.0 if j < num_accepted else 0.0
 
     def _ewma(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1.0 - self.decay) * new
+
+
+@dataclass
+class ForwardCost:
+    """t(n) = t0 + t1 * n: seconds of a target forward over n tokens, by exponentially weighted
+    least squares over every forward seen. Until sizes differ enough to fit a slope, a forward is
+    assumed to grow by 5% of its mean per extra token: cautious on CPUs (more tokens cost more),
+    nearly flat as on GPUs."""
+
+    decay: float = 0.95  # per forward: slower than the acceptance estimates, to average out noise
+    default_slope: float = 0.05
+    _w: float = 0.0
+    _n: float = 0.0
+    _nn: float = 0.0
+    _t: float = 0.0
+    _nt: float = 0.0
+
+    @property
+    def seen(self) -> bool:
+        return self._w > 0
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        d = self.decay
+        self._w, self._n, self._t = d * self._w + 1, d * self._n + num_tokens, d * self._t + seconds
+        self._nn = d * self._nn + num_tokens * num_tokens
+        self._nt = d * self._nt + num_tokens * seconds
+
+    def cost(self, num_tokens: int) -> float:
+        if not self.seen:
+            return 0.0
+        mean_n, mean_t = self._n / self._w, self._t / self._w
+        variance = self._nn / self._w - mean_n * mean_n
+        if variance < 0.5:  # (nearly) one size so far: no slope to fit
+            slope = self.default_slope * mean_t
+        else:
+            slope = max(0.0, (self._nt / self._w - mean_n * mean_t) / variance)
+        return max(mean_t + slope * (num_tokens - mean_n), 1e-9)

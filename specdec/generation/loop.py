@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable, ContextManager, Sequence
 
 from specdec.engine.api import DraftAPI, TargetAPI
+from specdec.engine.cycle_cost import CycleCost, measure_cycle
 from specdec.generation.adaptive import DraftLengthPolicy
 from specdec.generation.pipeline import PipelinedDrafting
 from specdec.generation.stats import SpeculationStats
@@ -89,6 +90,9 @@ class LoopObserver:
     def pipelined(self, hit: bool) -> None:
         """A pipelined cycle's speculative block was confirmed (hit) or discarded (miss)."""
 
+    def cycle_cost(self, cost: CycleCost) -> None:
+        """Where the cycle's time went (called at its end, inside cycle())."""
+
 
 class SpeculativeLoop:
     def __init__(
@@ -103,8 +107,14 @@ class SpeculativeLoop:
         self.settings = settings or LoopSettings()
         self.observer = observer or LoopObserver()
         self.policy: DraftLengthPolicy | None = None
-        if self.settings.adaptive and draft is not None:
-            self.policy = DraftLengthPolicy(self.settings.num_draft_tokens, self.settings.max_draft_tokens)
+        # (outcome or None for a plain step, draft call seconds, target call seconds) of the cycle
+        # running now, for the policy once the cycle's cost is known.
+        self._cycle_calls: tuple[VerifyOutcome | None, float, float, int] | None = None
+        k = self.settings.num_draft_tokens
+        if draft is not None and self.settings.adaptive:
+            self.policy = DraftLengthPolicy(k, self.settings.max_draft_tokens)
+        elif draft is not None and k > 0:  # a fixed length too yields to the loaded target's trimming
+            self.policy = DraftLengthPolicy(k, k, adapt=False)
         self.pipeline = PipelinedDrafting(self) if self.settings.pipelining and draft is not None else None
 
     async def run(self, cursor: SessionCursor, stop: StopChecker, emit: TokenSink) -> GenerationResult:
@@ -115,7 +125,7 @@ class SpeculativeLoop:
         plain_cycles_left = 0 if self.draft is not None else -1  # -1: never speculate
         index = 0
         while True:
-            with self.observer.cycle(index, cursor.position):
+            with self.observer.cycle(index, cursor.position), measure_cycle(lambda c: self._measured(c, stats)):
                 k = self._draft_length(cursor, stop)
                 new_tokens: list[int] | None = None
                 if plain_cycles_left == 0 and k > 0:
@@ -140,6 +150,25 @@ class SpeculativeLoop:
             if reason is not None:
                 await self._settle_draft(cursor)
                 return GenerationResult(generated, reason, stats)
+
+    def _measured(self, cost: CycleCost, stats: SpeculationStats) -> None:
+        """At a cycle's end: account its cost; the policy learns from model times and the overhead
+        apart (services that report no model time: from the calls' wall times)."""
+        stats.record_cost(cost)
+        self.observer.cycle_cost(cost)
+        calls, self._cycle_calls = self._cycle_calls, None
+        if self.policy is None or calls is None:
+            return
+        outcome, draft_s, target_s, num_proposed = calls
+        if cost.target_model_s > 0:
+            draft_s, target_s = cost.draft_model_s, cost.target_model_s
+        overhead_s = max(0.0, cost.wall_s - draft_s - target_s)
+        if outcome is None:
+            self.policy.observe_plain(target_s, overhead_s)
+        else:
+            self.policy.observe_cycle(outcome.num_drafted, outcome.num_accepted, draft_s, target_s, overhead_s)
+            if outcome.num_drafted < num_proposed:  # the loaded target trimmed the draft
+                self.policy.limit(outcome.num_drafted)
 
     def _draft_length(self, cursor: SessionCursor, stop: StopChecker, ahead: int = 0) -> int:
         """For a block that starts `ahead` tokens past the committed sequence (pipelining)."""
@@ -170,10 +199,7 @@ class SpeculativeLoop:
                        draft_s: float, verify_s: float) -> list[int]:
         """Record a verify outcome and commit its tokens to the cursor; return them."""
         stats.record(outcome)
-        if self.policy:
-            self.policy.observe_cycle(outcome.num_drafted, outcome.num_accepted, draft_s, verify_s)
-            if outcome.num_drafted < proposal.block.num_tokens:  # the loaded target trimmed the draft
-                self.policy.limit(outcome.num_drafted)
+        self._cycle_calls = (outcome, draft_s, verify_s, proposal.block.num_tokens)
         self.observer.verified(outcome, proposal.proposer)
         new_tokens = proposal.block.token_ids[: outcome.num_accepted].tolist() + [outcome.next_token]
         cursor.tokens.extend(new_tokens)
@@ -215,8 +241,7 @@ class SpeculativeLoop:
         elapsed = time.perf_counter() - started
         stats.decode_seconds += elapsed
         stats.decode_steps += 1
-        if self.policy:
-            self.policy.observe_plain(elapsed)
+        self._cycle_calls = (None, 0.0, elapsed, 0)
         cursor.tokens.extend(new_tokens)
         return new_tokens
 

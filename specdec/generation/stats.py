@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from specdec.engine.cycle_cost import CycleCost
 from specdec.types import VerifyOutcome
 
 
@@ -25,6 +26,28 @@ class SpeculationStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     decode_seconds: float = 0.0
+    # Per-cycle cost (cycle_cost.py), summed over every cycle, speculative or plain.
+    timed_cycles: int = 0
+    cycle_seconds: float = 0.0  # wall time of the cycles
+    draft_model_seconds: float = 0.0  # of it, inside the draft model, as the draft service reported
+    target_model_seconds: float = 0.0  # of it, inside the target model
+    queued_seconds: float = 0.0  # of it, waiting in the services' batchers before a step
+    handler_seconds: float = 0.0  # of it, in the services' handlers (model time included)
+    call_seconds: float = 0.0  # of it, in calls to the services (handlers included)
+
+    def record_cost(self, cost: CycleCost) -> None:
+        self.timed_cycles += 1
+        self.cycle_seconds += cost.wall_s
+        self.draft_model_seconds += cost.draft_model_s
+        self.target_model_seconds += cost.target_model_s
+        self.queued_seconds += cost.queued_s
+        self.handler_seconds += cost.handler_s
+        self.call_seconds += cost.calls_s
+
+    @property
+    def overhead_seconds(self) -> float:
+        """Cycle time outside the model forwards: RPC, batching, conversions, coordination."""
+        return max(0.0, self.cycle_seconds - self.draft_model_seconds - self.target_model_seconds)
 
     def record(self, outcome: VerifyOutcome) -> None:
         self.cycles += 1
@@ -74,7 +97,8 @@ class SpeculationStats:
     def merge(self, other: "SpeculationStats") -> None:
         for name in ("cycles", "drafted", "accepted", "recovered", "bonus", "decode_steps", "fallbacks",
                      "pipeline_hits", "pipeline_misses", "pipeline_wrong_guesses", "pipeline_rejected_last",
-                     "draft_seconds", "verify_seconds", "decode_seconds"):
+                     "draft_seconds", "verify_seconds", "decode_seconds", "timed_cycles", "cycle_seconds",
+                     "draft_model_seconds", "target_model_seconds", "queued_seconds", "handler_seconds", "call_seconds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.drafted_by_position, other.drafted_by_position),
                              (self.accepted_by_position, other.accepted_by_position)):
@@ -88,4 +112,5 @@ class SpeculationStats:
         out["mean_accepted_length"] = self.mean_accepted_length
         out["pipeline_hit_rate"] = self.pipeline_hit_rate
         out["acceptance_by_position"] = self.acceptance_by_position()
+        out["overhead_seconds"] = self.overhead_seconds
         return out

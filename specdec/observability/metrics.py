@@ -71,6 +71,10 @@ STEP_BUCKETS = (
     5.0,
     10.0,
 )
+# Per-cycle overhead (time outside the model forwards): sub-millisecond to a slow network's tens of ms.
+OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05,
+                    0.1, 0.25)
+OVERHEAD_FRACTION_BUCKETS = (0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 POOL_LABELS = ("pool", "proposer")
@@ -144,6 +148,21 @@ class CoordinatorMetrics:
         )
         self.pipeline_misses = Counter(
             "pipeline_misses", "Pipelined drafts discarded by the verify outcome.", POOL_LABELS, **common
+        )
+        self.cycle_overhead = Histogram(
+            "cycle_overhead_seconds",
+            "Per cycle: wall time outside the draft and target model forwards (RPC, batching, "
+            "conversions, coordination) as the services report their model time.",
+            POOL_LABELS,
+            buckets=OVERHEAD_BUCKETS,
+            **common,
+        )
+        self.cycle_overhead_fraction = Histogram(
+            "cycle_overhead_fraction",
+            "Per cycle: the overhead as a fraction of the cycle's wall time.",
+            POOL_LABELS,
+            buckets=OVERHEAD_FRACTION_BUCKETS,
+            **common,
         )
         self.active_requests = Gauge(
             "active_requests", "Generate streams in progress.", POOL_LABELS, **common

@@ -45,6 +45,11 @@ SPECDEC_NUM_ACCEPTED = "specdec.num_accepted"
 SPECDEC_NEXT_TOKEN_KIND = "specdec.next_token_kind"  # "recovered" (after a rejection) or "bonus"
 SPECDEC_PIPELINE_HIT = "specdec.pipeline_hit"
 SPECDEC_POOL = "specdec.pool"  # "speculative" or "baseline"
+# Per-cycle cost (specdec.engine.cycle_cost), milliseconds: wall, inside each model, the rest.
+SPECDEC_CYCLE_MS = "specdec.cycle_ms"
+SPECDEC_DRAFT_MODEL_MS = "specdec.draft_model_ms"
+SPECDEC_TARGET_MODEL_MS = "specdec.target_model_ms"
+SPECDEC_OVERHEAD_MS = "specdec.overhead_ms"
 
 NextTokenKind = Literal["recovered", "bonus"]
 
@@ -109,6 +114,12 @@ def cycle_attributes(
             SPECDEC_POOL: pool,
         }
     )
+
+
+def cycle_cost_attributes(*, wall_s: float, draft_model_s: float, target_model_s: float, overhead_s: float) -> dict:
+    """Where the cycle's time went; set on the cycle span when the cycle ends."""
+    return {SPECDEC_CYCLE_MS: wall_s * 1e3, SPECDEC_DRAFT_MODEL_MS: draft_model_s * 1e3,
+            SPECDEC_TARGET_MODEL_MS: target_model_s * 1e3, SPECDEC_OVERHEAD_MS: overhead_s * 1e3}
 
 
 @dataclass(frozen=True)

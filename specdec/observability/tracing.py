@@ -81,6 +81,13 @@ def setup_tracing(
     return provider
 
 
+def exports_spans(provider) -> bool:
+    """Whether spans recorded on `provider` go anywhere (an exporter's span processor is attached).
+    A provider of unknown kind, or None (the global one), counts as exporting."""
+    processors = getattr(getattr(provider, "_active_span_processor", None), "_span_processors", None)
+    return provider is None or processors is None or len(processors) > 0
+
+
 def _traced_filter():
     from opentelemetry.instrumentation.grpc.filters import any_of, negate, service_name
 

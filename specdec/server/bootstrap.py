@@ -80,8 +80,10 @@ class ServiceHost:
         tracer_provider=None,
         registry: CollectorRegistry | None = None,
         error_codes: Mapping[type[BaseException], grpc.StatusCode] | None = None,
+        trace_calls: bool = True,
     ):
         self.settings = settings
+        self.trace_calls = trace_calls  # a server span per call (continuing the caller's trace)
         self._error_codes = error_codes
         self._register = register
         self._health_check = health_check
@@ -110,8 +112,11 @@ class ServiceHost:
         return self._stopped.is_set()
 
     def _interceptors(self) -> list[grpc.aio.ServerInterceptor]:
-        # First is outermost: the server span covers auth refusals and mapped errors.
-        chain: list[grpc.aio.ServerInterceptor] = [server_interceptor(self._tracer_provider)]
+        # First is outermost: the server span covers auth refusals and mapped errors. Left out with
+        # trace_calls=False (about 0.2 ms a call on a loaded CPU, paid every cycle).
+        chain: list[grpc.aio.ServerInterceptor] = []
+        if self.trace_calls:
+            chain.append(server_interceptor(self._tracer_provider))
         if self.settings.auth_tokens:
             chain.append(BearerTokenInterceptor(self.settings.auth_tokens))
         chain.append(ErrorMappingInterceptor(self._error_codes))
@@ -235,6 +240,7 @@ async def serve(
     registry: CollectorRegistry | None = None,
     error_codes: Mapping[type[BaseException], grpc.StatusCode] | None = None,
     on_started: Callable[[ServiceHost], Any] | None = None,
+    trace_calls: bool = True,
 ) -> None:
     """Start a ServiceHost, stop it gracefully on SIGTERM / SIGINT, return once it has stopped.
 
@@ -250,6 +256,7 @@ async def serve(
         tracer_provider=tracer_provider,
         registry=registry,
         error_codes=error_codes,
+        trace_calls=trace_calls,
     )
     await host.start()
     loop = asyncio.get_running_loop()

@@ -8,6 +8,7 @@ ServiceDescription.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
@@ -17,7 +18,8 @@ import grpc.aio
 
 from specdec import errors
 from specdec.rpc import common_pb2
-from specdec.rpc_convert import actual_position, latest_epoch, live_epochs
+from specdec.engine.cycle_cost import report_model_time
+from specdec.rpc_convert import actual_position, latest_epoch, live_epochs, server_timing_seconds
 from specdec.server.credentials import create_channel
 from specdec.server.settings import ClientSettings
 
@@ -86,6 +88,7 @@ class ServiceClient:
     request messages of Truncate and EndSession, which both services spell alike."""
 
     SERVICE: ClassVar[str]
+    ROLE: ClassVar[str]  # "target" or "draft": whose model time the responses' ServerTiming reports
     STUB: ClassVar[type]
     TRUNCATE_REQUEST: ClassVar[type]
     END_SESSION_REQUEST: ClassVar[type]
@@ -132,6 +135,17 @@ class ServiceClient:
 
     async def __aexit__(self, *exc_info) -> None:
         await self.close()
+
+    async def _timed_call(self, method, request, session_id: str, position: int, parent_epoch: int = 0):
+        """_call, and hand the response's ServerTiming with the call's round trip to the cycle being
+        measured (engine/cycle_cost.py)."""
+        started = time.perf_counter()
+        response = await self._call(method, request, session_id, position, parent_epoch)
+        timing = server_timing_seconds(response)
+        if timing is not None:
+            model_s, queued_s, handler_s = timing
+            report_model_time(self.ROLE, model_s, queued_s, handler_s, time.perf_counter() - started)
+        return response
 
     async def _call(self, method, request, session_id: str = "", position: int | None = None, parent_epoch: int = 0):
         try:

@@ -211,5 +211,9 @@ async def serve_model_service(
         for task in tasks:
             task.cancel()
 
+    # A model service calls no one: when its spans go nowhere, tracing its calls only costs time.
+    from specdec.observability.tracing import exports_spans
+
     await serve(settings, register, on_shutdown=[stop_tasks, servicer.aclose, executor.aclose],
-                tracer_provider=tracer_provider, registry=registry, on_started=started)
+                tracer_provider=tracer_provider, registry=registry, on_started=started,
+                trace_calls=exports_spans(tracer_provider))

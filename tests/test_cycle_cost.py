@@ -1,0 +1,139 @@
+"""Per-cycle cost accounting: model time as the services report it, overhead = the rest."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from specdec.engine.batcher import Batcher, StepTiming, decode_steps
+from specdec.engine.cycle_cost import DRAFT, TARGET, CycleCost, measure_cycle, report_model_time
+from specdec.generation.loop import LoopObserver, LoopSettings, SpeculativeLoop
+from specdec.generation.stats import SpeculationStats
+from specdec.generation.stopping import StopChecker
+from specdec.server.executor import ModelExecutor
+
+
+def test_overhead_is_the_wall_time_outside_both_models():
+    cost = CycleCost(wall_s=0.100)
+    cost.add_model_time(DRAFT, 0.020, queued_s=0.001)
+    cost.add_model_time(TARGET, 0.070)
+    assert cost.model_s == pytest.approx(0.090)
+    assert cost.overhead_s == pytest.approx(0.010) and cost.overhead_fraction == pytest.approx(0.10)
+    assert cost.queued_s == pytest.approx(0.001)
+    # Two processes' clocks: reported model time may exceed the caller's wall time by a hair.
+    assert CycleCost(wall_s=0.05, target_model_s=0.051).overhead_s == 0.0
+    with pytest.raises(ValueError):
+        cost.add_model_time("verifier", 1.0)
+
+
+def test_reports_go_to_the_cycle_being_measured_and_nowhere_else():
+    report_model_time(TARGET, 1.0)  # outside any cycle: dropped, no error
+    seen = []
+    with measure_cycle(seen.append) as outer:
+        report_model_time(TARGET, 0.002)
+        with measure_cycle() as inner:
+            report_model_time(DRAFT, 0.001)
+        report_model_time(DRAFT, 0.003)
+        time.sleep(0.01)
+    assert (inner.draft_model_s, inner.target_model_s) == (0.001, 0.0)
+    assert (outer.draft_model_s, outer.target_model_s) == (0.003, 0.002)
+    assert seen == [outer] and outer.wall_s >= 0.01 > inner.wall_s
+
+
+async def test_concurrent_sessions_each_see_only_their_own_calls():
+    """A coordinator shares one client among sessions; each loop runs in its own task."""
+
+    async def session(model_s: float) -> CycleCost:
+        with measure_cycle() as cost:
+            for _ in range(3):
+                await asyncio.sleep(0.001)
+                report_model_time(TARGET, model_s)
+        return cost
+
+    costs = await asyncio.gather(*(session(m) for m in (0.001, 0.002, 0.004)))
+    assert [c.target_model_s for c in costs] == pytest.approx([0.003, 0.006, 0.012])
+
+
+async def test_the_batcher_times_each_step_on_the_model_thread():
+    def slow_step(works):
+        time.sleep(0.02)
+        return [w * 2 for w in works]
+
+    executor = ModelExecutor("test-timing")
+    batcher = Batcher(executor, slow_step)
+    try:
+        first = asyncio.create_task(batcher.submit_timed(1))
+        await asyncio.sleep(0.005)  # the first step is running: the second waits for it
+        second = asyncio.create_task(batcher.submit_timed(2))
+        (one, t1), (two, t2) = await first, await second
+        assert (one, two) == (2, 4)
+        for timing in (t1, t2):
+            assert 0.018 < timing.model_ns * 1e-9 < 0.5
+        assert t2.queued_ns * 1e-9 > 0.005 and t2.queued_ns > t1.queued_ns
+        assert await batcher.submit(3) == 6  # the untimed form is unchanged
+    finally:
+        await batcher.aclose()
+        executor.shutdown()
+
+
+async def test_a_multi_step_decode_sums_its_steps():
+    def step(works):
+        time.sleep(0.005)
+        return [[7] for _ in works]
+
+    executor = ModelExecutor("test-decode-timing")
+    batcher = Batcher(executor, step, key=lambda work: work.session_id)
+    timing = StepTiming()
+    try:
+        assert await decode_steps(batcher, "s", 10, 3, timing=timing) == [7, 7, 7]
+    finally:
+        await batcher.aclose()
+        executor.shutdown()
+    assert timing.model_ns * 1e-9 >= 0.015
+
+
+class _CountingObserver(LoopObserver):
+    def __init__(self):
+        self.costs: list[CycleCost] = []
+
+    def cycle_cost(self, cost: CycleCost) -> None:
+        self.costs.append(cost)
+
+
+class _FakeTarget:
+    """A target whose every step is 'model time' of a known length, plus a fixed RPC-like delay."""
+
+    def __init__(self, model_s: float, rpc_s: float):
+        self.model_s, self.rpc_s = model_s, rpc_s
+
+    async def decode(self, session_id, position, num_tokens, append_token_ids=()):
+        await asyncio.sleep(self.rpc_s)
+        time.sleep(self.model_s)
+        report_model_time(TARGET, self.model_s)
+        return [position % 50 + 1]
+
+    async def truncate(self, session_id, position):
+        return position
+
+
+async def test_the_loop_accounts_every_cycle_and_tells_the_observer():
+    from specdec.generation.loop import SessionCursor
+    from specdec.sampling.params import SamplingParams
+
+    observer = _CountingObserver()
+    loop = SpeculativeLoop(_FakeTarget(0.004, 0.003), None, LoopSettings(), observer)
+    cursor = SessionCursor("s", SamplingParams(), [1, 2, 3], max_context=100)
+
+    async def emit(tokens):
+        pass
+
+    result = await loop.run(cursor, StopChecker(5, ()), emit)
+    stats: SpeculationStats = result.stats
+    assert stats.timed_cycles == stats.decode_steps == 5 == len(observer.costs)
+    assert stats.target_model_seconds == pytest.approx(5 * 0.004)
+    # The fake's "RPC" sleep is outside the model: overhead of at least 3 ms per cycle.
+    assert stats.overhead_seconds >= 5 * 0.003
+    assert stats.cycle_seconds == pytest.approx(sum(c.wall_s for c in observer.costs))
+    assert all(c.overhead_fraction > 0.3 for c in observer.costs)
