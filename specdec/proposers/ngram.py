@@ -14,6 +14,7 @@ import torch
 
 from specdec.errors import InvalidArgument
 from specdec.models.base import ModelInfo
+from specdec.proposers.base import NextTokens
 from specdec.sampling.params import SamplingParams
 from specdec.types import DraftBlock
 
@@ -52,6 +53,26 @@ class NgramProposer:
                 continuation = window[start + n : start + n + num_tokens]
                 return DraftBlock(token_ids=torch.from_numpy(continuation.copy()))
         return DraftBlock.empty()
+
+    def rank_batch(self, requests: Sequence, num_ranked: int) -> list[NextTokens | None]:
+        """Own next token as propose(..., 1) finds it; the ranking: what followed every earlier
+        occurrence of the suffix, longest n-gram first, most recent first, each token once."""
+        return [self._rank(token_ids, num_ranked) for _, token_ids, _ in requests]
+
+    def _rank(self, token_ids: Sequence[int], num_ranked: int) -> NextTokens | None:
+        if len(token_ids) < 2:
+            return None
+        window = np.asarray(token_ids[-self.max_lookback :], dtype=np.int64)
+        ranked: list[int] = []
+        for n in range(min(self.max_ngram, len(window) - 1), self.min_ngram - 1, -1):
+            candidates = np.lib.stride_tricks.sliding_window_view(window[:-1], n)
+            for start in np.flatnonzero((candidates == window[-n:]).all(axis=1))[::-1]:
+                token = int(window[start + n])
+                if token not in ranked:
+                    ranked.append(token)
+                if len(ranked) >= num_ranked:
+                    return NextTokens(ranked[0], tuple(ranked))
+        return NextTokens(ranked[0], tuple(ranked)) if ranked else None
 
     @staticmethod
     def _last_match(window: np.ndarray, n: int) -> int | None:
