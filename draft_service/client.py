@@ -20,6 +20,7 @@ from typing import Sequence
 import grpc.aio
 
 from specdec.engine.api import Proposal
+from specdec.errors import InvalidArgument
 from specdec.models.base import ModelInfo
 from specdec.rpc import draft_pb2, draft_pb2_grpc
 from specdec.rpc_convert import model_info_from_proto, sampling_params_to_proto, unpack_distributions
@@ -30,6 +31,12 @@ from specdec.server.client_base import Metadata, ServiceClient, ServiceDescripti
 _BRANCH_KINDS = {"second_guess": draft_pb2.BRANCH_KIND_SECOND_GUESS,
                  "rejected_last": draft_pb2.BRANCH_KIND_REJECTED_LAST}
 _KIND_NAMES = {value: name for name, value in _BRANCH_KINDS.items()}
+
+
+def _branch_kind(name: str) -> int:
+    if name not in _BRANCH_KINDS:
+        raise InvalidArgument(f"alternatives must be among {list(_BRANCH_KINDS)}, got {name!r}")
+    return _BRANCH_KINDS[name]
 
 
 @dataclass(frozen=True)
@@ -84,7 +91,7 @@ class DraftClient(ServiceClient):
         request = draft_pb2.DraftServiceProposeRequest(
             session_id=session_id, parent_epoch=parent_epoch, keep_position=keep_position,
             append_token_ids=list(append_token_ids), num_draft_tokens=num_draft_tokens, speculative=speculative,
-            alternatives=[_BRANCH_KINDS[kind] for kind in alternatives],
+            alternatives=[_branch_kind(kind) for kind in alternatives],
         )
         response = await self._call(self._stub.Propose, request, session_id, keep_position, parent_epoch)
         rows = response.draft_distributions if response.HasField("draft_distributions") else None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from specdec.engine.alternatives import alternatives_for
 from specdec.engine.draft import DraftEngine
@@ -14,6 +15,7 @@ from specdec.engine.draft_batch import ProposeWork, run_propose_batch
 from specdec.errors import EpochMismatch, InvalidArgument, PositionMismatch
 from specdec.proposers.base import NextTokens
 from specdec.sampling.params import SamplingMode, SamplingParams
+from specdec.types import DraftBlock
 from test_pipeline import GREEDY, PROMPTS, VOCAB, ScriptedProposer, draft_engine, run, tiny_dirs  # noqa: F401
 
 BOTH = ("second_guess", "rejected_last")
@@ -147,6 +149,27 @@ def test_batched_branches_equal_one_at_a_time(tiny_dirs):
 # ---- the loop ---------------------------------------------------------------------------------------
 
 
+def test_matching_branch_needs_the_guess_at_its_own_position():
+    """Every outcome of a 3-token parent at position 10: a branch is valid only where the target
+    committed its guess at its guess position (the same token elsewhere is no hit)."""
+    from specdec.engine.api import Proposal
+    from specdec.generation.pipeline import matching_branch
+    from specdec.types import VerifyOutcome
+
+    block = lambda n: DraftBlock(token_ids=torch.arange(n))  # noqa: E731
+    parent = Proposal(1, 10, block(3), "draft-model")
+    second = Proposal(3, 14, block(2), "draft-model", True, 51, kind="second_guess")
+    rejected_last = Proposal(4, 13, block(2), "draft-model", True, 50, kind="rejected_last")
+    child = Proposal(2, 14, block(2), "draft-model", True, 50, alternatives=(second, rejected_last))
+    for drafted in (3, 2):
+        for accepted in range(drafted + 1):
+            for token in (50, 51, 52):
+                found = matching_branch(parent, VerifyOutcome(10, drafted, accepted, token), child)
+                expected = {(3, 50): child, (3, 51): second, (2, 50): rejected_last}.get((accepted, token))
+                assert found is expected, (drafted, accepted, token)
+    assert matching_branch(parent, VerifyOutcome(10, 3, 3, 50), None) is None
+
+
 class RankedScript(ScriptedProposer):
     """ScriptedProposer whose runner-up at every position is the target's own token: a second
     guess or a recovered-token guess is always right, so every wrong_guess and rejected_last miss
@@ -215,3 +238,19 @@ def test_multi_branch_sampling_is_lossless(tiny_dirs, kind):
         sequential, _ = run(tiny_dirs["target"], draft_engine(kind, tiny_dirs), prompt, sampled, False)
         pipelined, stats = run(tiny_dirs["target"], draft_engine(kind, tiny_dirs), prompt, sampled, True, branches=3)
         assert pipelined == sequential
+
+
+def test_alternatives_never_evict_another_session(tiny_dirs):
+    """A branch takes a free KV slot or is not drafted: with one slot free, one alternative."""
+    engine = draft_engine("random", tiny_dirs)
+    model = engine.proposer.model  # 4 slots
+    parents = {}
+    for i, prompt in enumerate(PROMPTS):
+        engine.start_session(f"s{i}", prompt, GREEDY)
+        parents[f"s{i}"] = engine.propose(f"s{i}", len(prompt), [], 2)
+    slots = {sid: engine.sessions.get(sid).proposer_state.slot for sid in parents}
+    assert model.num_free_slots == 1
+    parent = parents["s0"]
+    child = engine.propose("s0", parent.position + 2, [], 2, parent.epoch, speculative=True, alternatives=BOTH)
+    assert [b.kind for b in child.alternatives] == ["second_guess"] and model.num_free_slots == 0
+    assert {sid: engine.sessions.get(sid).proposer_state.slot for sid in parents} == slots

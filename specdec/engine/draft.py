@@ -18,7 +18,7 @@ from specdec.engine.alternatives import (REJECTED_LAST, Alternative, PendingBran
 from specdec.engine.api import Proposal
 from specdec.engine.branches import DEFAULT_MAX_LIVE_PROPOSALS, LiveProposal, ProposalChain
 from specdec.engine.sessions import SessionState, SessionTable
-from specdec.errors import InvalidArgument, PositionMismatch
+from specdec.errors import CacheFull, InvalidArgument, PositionMismatch
 from specdec.models.base import ModelInfo
 from specdec.proposers.base import NextTokens, Proposer
 from specdec.sampling.params import SamplingParams
@@ -160,7 +160,10 @@ class DraftEngine:
                 excluded = state.tokens[parent.end - 1]
             else:
                 tokens, excluded = list(state.tokens), None
-            branch_state = self.proposer.fork(state.proposer_state, len(tokens))  # type: ignore[attr-defined]
+            try:
+                branch_state = self.proposer.fork(state.proposer_state, len(tokens))  # type: ignore[attr-defined]
+            except CacheFull:  # no room: this cycle goes without the branch
+                continue
             branches.append(PendingBranch(kind, tokens, branch_state, len(tokens), excluded))
         return branches
 

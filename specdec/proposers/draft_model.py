@@ -136,17 +136,16 @@ class DraftModelProposer:
 
     def fork(self, state: _DraftSlot, length: int) -> _DraftSlot:
         """A branch state (multi-outcome pipelining) holding the session's cache of its first
-        `length` tokens, copied into a slot of its own. Without a free slot the branch starts
-        uncached and gets one (or fails alone) when it drafts."""
+        `length` tokens, copied into a free slot of its own. CacheFull when no slot is free: a
+        branch is optional, so it never evicts another session's cache."""
+        if self.model.num_free_slots == 0:
+            raise CacheFull("no free KV slot for an alternative branch; every slot holds a session")
         branch = _DraftSlot(f"{state.session_id}\x00branch{next(self._branch_ids)}")
         branch.context_ids, branch.context_scanned = list(state.context_ids), list(state.context_scanned)
         branch.context_tensor = state.context_tensor  # replaced, never written in place
         self._open[branch.session_id] = branch
+        branch.slot = self.model.allocate()
         if state.slot is not None:
-            try:
-                self._ensure_slot(branch, busy={state.session_id})
-            except CacheFull:
-                return branch
             self.model.fork(state.slot, branch.slot, min(length, self.model.length(state.slot)))
         return branch
 
