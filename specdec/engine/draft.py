@@ -171,7 +171,7 @@ class DraftEngine:
                     branch_guesses: Sequence[NextTokens | None | Exception] = ()) -> bool:
         """A speculative Propose's first drafted token becomes its guess of the target's next token;
         the block is then drafted after it. Alternatives guess from the ranked tokens (branch i's
-        ranking in branch_guesses[i] for a rejected_last branch, the main one's otherwise); one
+        ranking in branch_guesses[i] for a rejected_last branch, the main one's for a second_guess); one
         without a guess is dropped. A rejected_last branch does not need the main guess: its context
         differs (an n-gram may match there and not after the parent). False: nothing to draft."""
         pending = state.pending

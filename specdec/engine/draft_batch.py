@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence, Union
 
+from specdec.engine.alternatives import REJECTED_LAST
 from specdec.engine.api import Proposal
 from specdec.engine.batch import split_by_session
 from specdec.engine.draft import DraftEngine
@@ -91,15 +92,18 @@ def _place_guesses(engine: DraftEngine, works: Sequence[ProposeWork], begun: lis
     speculative = [(i, s) for i, s in begun if works[i].speculative]
     if not speculative:
         return begun
-    rows = []  # (item number in `speculative`, (proposer state, tokens, params))
+    # A second_guess branch ranks from the main row (the same context); a rejected_last branch
+    # needs a row of its own, one token shorter.
+    rows = []  # (item number in `speculative`, branch number or None, (proposer state, tokens, params))
     for n, (_, state) in enumerate(speculative):
-        rows.append((n, (state.proposer_state, state.tokens, state.params)))
-        rows += [(n, (b.proposer_state, b.tokens, state.params)) for b in state.pending.branches]
+        rows.append((n, None, (state.proposer_state, state.tokens, state.params)))
+        rows += [(n, b, (branch.proposer_state, branch.tokens, state.params))
+                 for b, branch in enumerate(state.pending.branches) if branch.kind == REJECTED_LAST]
     ranked = any(s.pending.branches for _, s in speculative)
-    guesses = guess_all(engine.proposer, [request for _, request in rows], num_ranked=2 if ranked else 1)
-    per_item: list[list] = [[] for _ in speculative]
-    for (n, _), guess in zip(rows, guesses):
-        per_item[n].append(guess)
+    guesses = guess_all(engine.proposer, [request for _, _, request in rows], num_ranked=2 if ranked else 1)
+    per_item: list[list] = [[None] * (1 + len(s.pending.branches)) for _, s in speculative]
+    for (n, branch, _), guess in zip(rows, guesses):
+        per_item[n][0 if branch is None else 1 + branch] = guess
     settled = set()
     for (index, state), (guess, *branch_guesses) in zip(speculative, per_item):
         if isinstance(guess, Exception):
