@@ -254,3 +254,16 @@ def test_alternatives_never_evict_another_session(tiny_dirs):
     child = engine.propose("s0", parent.position + 2, [], 2, parent.epoch, speculative=True, alternatives=BOTH)
     assert [b.kind for b in child.alternatives] == ["second_guess"] and model.num_free_slots == 0
     assert {sid: engine.sessions.get(sid).proposer_state.slot for sid in parents} == slots
+
+
+def test_ngram_ranks_the_continuations_of_every_match():
+    """Own token = propose(..., 1)'s; then the other continuations, longest n-gram and most recent
+    match first, each once; None where the lookup finds nothing."""
+    from specdec.proposers.ngram import NgramProposer
+
+    proposer = NgramProposer(max_ngram=3)
+    tokens = [1, 2, 3, 1, 2, 4, 9, 2, 7, 1, 2]  # [1, 2] was followed by 3 then 4; [2] also by 7
+    ranked = proposer.rank_batch([(None, tokens, GREEDY)], 3)[0]
+    assert ranked.own == proposer.propose(None, tokens, 1, GREEDY).token_ids[0].item() == 4
+    assert ranked.ranked == (4, 3, 7) and ranked.best_other_than(4) == 3
+    assert proposer.rank_batch([(None, [5, 6], GREEDY)], 2) == [None]

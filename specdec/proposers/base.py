@@ -52,5 +52,6 @@ class Proposer(Protocol):
     # Optional, for multi-outcome pipelining (specdec.engine.alternatives); a proposer without them
     # drafts only the main branch.
     #   rank_batch(requests: [(state, token_ids, params)], num_ranked) -> [NextTokens | None | Exception]
+    #     (NextTokens.own must be the token propose(..., 1) drafts: it becomes the main guess)
     #   fork(state, length) -> a new state holding what `state` caches of the first `length` tokens
     #   adopt(state, branch): `state` takes over the branch's cache (the branch state is used up)

@@ -55,24 +55,32 @@ class NgramProposer:
         return DraftBlock.empty()
 
     def rank_batch(self, requests: Sequence, num_ranked: int) -> list[NextTokens | None]:
-        """Own next token as propose(..., 1) finds it; the ranking: what followed every earlier
-        occurrence of the suffix, longest n-gram first, most recent first, each token once."""
-        return [self._rank(token_ids, num_ranked) for _, token_ids, _ in requests]
+        """Own next token: propose(..., 1)'s (so a subclass that drafts otherwise stays consistent);
+        then what followed every earlier occurrence of the suffix, longest n-gram first, most
+        recent first, each token once."""
+        out: list[NextTokens | None] = []
+        for state, token_ids, params in requests:
+            block = self.propose(state, token_ids, 1, params)
+            if block.num_tokens == 0:
+                out.append(None)
+                continue
+            own = int(block.token_ids[0])
+            others = [t for t in self._continuations(token_ids, num_ranked + 1) if t != own]
+            out.append(NextTokens(own, (own, *others)[:num_ranked]))
+        return out
 
-    def _rank(self, token_ids: Sequence[int], num_ranked: int) -> NextTokens | None:
-        if len(token_ids) < 2:
-            return None
+    def _continuations(self, token_ids: Sequence[int], limit: int) -> list[int]:
         window = np.asarray(token_ids[-self.max_lookback :], dtype=np.int64)
-        ranked: list[int] = []
+        found: list[int] = []
         for n in range(min(self.max_ngram, len(window) - 1), self.min_ngram - 1, -1):
-            candidates = np.lib.stride_tricks.sliding_window_view(window[:-1], n)
+            candidates = np.lib.stride_tricks.sliding_window_view(window[:-1], n)  # [len - n, n]
             for start in np.flatnonzero((candidates == window[-n:]).all(axis=1))[::-1]:
                 token = int(window[start + n])
-                if token not in ranked:
-                    ranked.append(token)
-                if len(ranked) >= num_ranked:
-                    return NextTokens(ranked[0], tuple(ranked))
-        return NextTokens(ranked[0], tuple(ranked)) if ranked else None
+                if token not in found:
+                    found.append(token)
+                if len(found) >= limit:
+                    return found
+        return found
 
     @staticmethod
     def _last_match(window: np.ndarray, n: int) -> int | None:
