@@ -81,6 +81,8 @@ def stats_to_proto(stats: SpeculationStats, pool: Pool, proposer: str, num_draft
         recovered=stats.recovered, bonus=stats.bonus, decode_steps=stats.decode_steps,
         fallbacks=stats.fallbacks, pipeline_hits=stats.pipeline_hits, pipeline_misses=stats.pipeline_misses,
         pipeline_wrong_guesses=stats.pipeline_wrong_guesses, pipeline_rejected_last=stats.pipeline_rejected_last,
+        pipeline_hits_second_guess=stats.pipeline_hits_second_guess,
+        pipeline_hits_rejected_last=stats.pipeline_hits_rejected_last,
         mean_accepted_length=stats.mean_accepted_length, draft_seconds=stats.draft_seconds,
         verify_seconds=stats.verify_seconds,
         decode_seconds=stats.decode_seconds, pool=_POOL_TO_PB[pool], proposer=proposer,

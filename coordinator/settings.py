@@ -50,6 +50,7 @@ class CoordinatorSettings:
     retry_draft_after: int = 8
     pipelining: bool = False  # draft the next block while the target verifies (requests may override)
     pipelining_min_full_accept: float = 0.0  # --pipelining auto: only while blocks are accepted whole this often
+    pipeline_branches: int = 1  # branches per speculative draft (specdec.engine.alternatives)
     limits: Limits = Limits()
     session_ttl_s: float = 3600.0
     owner_lease_s: float = 10.0
@@ -68,6 +69,8 @@ class CoordinatorSettings:
             raise ConfigError("--max-new-tokens must be in [1, --max-new-tokens-limit]")
         if not 0.0 <= self.pipelining_min_full_accept <= 1.0:
             raise ConfigError(f"--pipelining-min-full-accept must be in [0, 1], got {self.pipelining_min_full_accept}")
+        if not 1 <= self.pipeline_branches <= 3:
+            raise ConfigError(f"--pipeline-branches must be 1, 2 or 3, got {self.pipeline_branches}")
         if self.retry_draft_after < 0:
             raise ConfigError(f"--retry-draft-after must be >= 0, got {self.retry_draft_after}")
         for name in ("session_ttl_s", "owner_lease_s", "failover_timeout_s", "redis_timeout_s"):
@@ -113,6 +116,10 @@ def add_arguments(parser: argparse.ArgumentParser, environ=os.environ) -> None:
                         "speculation.pipelined overrides it (true: on)")
     g.add_argument("--pipelining-min-full-accept", type=float, default=AUTO_MIN_FULL_ACCEPT,
                    help="the share of wholly accepted blocks below which --pipelining auto drafts sequentially")
+    g.add_argument("--pipeline-branches", type=int, choices=[1, 2, 3], default=1,
+                   help="pipelined cycles: branches the draft drafts per speculative block, for that many "
+                        "verify outcomes: 1 all accepted with the draft's own bonus guess; 2 also a second "
+                        "bonus guess; 3 also all but the last token accepted (docs/PIPELINING.md)")
     g.add_argument("--retry-draft-after", type=int, default=8,
                    help="plain decoding steps after a draft failure before speculation is tried again")
     g.add_argument("--max-new-tokens", type=int, default=256, help="a turn's budget when the request sets none")
@@ -145,6 +152,7 @@ def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
         num_draft_tokens=args.num_draft_tokens, adaptive_draft_length=args.draft_length == "adaptive",
         retry_draft_after=args.retry_draft_after, pipelining=args.pipelining != "off",
         pipelining_min_full_accept=args.pipelining_min_full_accept if args.pipelining == "auto" else 0.0,
+        pipeline_branches=args.pipeline_branches,
         limits=Limits(args.max_new_tokens, args.max_new_tokens_limit, args.max_draft_tokens),
         session_ttl_s=args.session_ttl, owner_lease_s=args.owner_lease, failover_timeout_s=args.failover_timeout,
         redis_timeout_s=args.redis_timeout,

@@ -135,10 +135,14 @@ class TurnObserver(LoopObserver):
         self.telemetry.metrics.observe_cycle(self.pool, self.proposer, outcome.num_drafted, outcome.num_accepted)
         self._pending += SessionStats.for_cycle(outcome.num_drafted, outcome.num_accepted)
 
-    def pipelined(self, hit: bool) -> None:
-        trace.get_current_span().set_attribute(spans.SPECDEC_PIPELINE_HIT, hit)
+    def pipelined(self, hit: bool, branch: str | None = None) -> None:
+        span = trace.get_current_span()
+        span.set_attribute(spans.SPECDEC_PIPELINE_HIT, hit)
         counter = self.telemetry.metrics.pipeline_hits if hit else self.telemetry.metrics.pipeline_misses
         counter.labels(self.pool, self.proposer).inc()
+        if hit and branch is not None:
+            span.set_attribute(spans.SPECDEC_PIPELINE_BRANCH, branch)
+            self.telemetry.metrics.pipeline_branch_hits.labels(self.pool, self.proposer, branch).inc()
 
     def fell_back(self, error: Exception) -> None:
         self.telemetry.metrics.fallbacks.labels(self.pool, self.proposer, fallback_reason(error)).inc()

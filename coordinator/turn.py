@@ -69,6 +69,7 @@ class TurnSettings:
     max_adaptive_tokens: int = 8
     pipelining: bool = False  # a request not naming speculation.pipelined gets this (--pipelining)
     pipelining_min_full_accept: float = 0.0  # --pipelining auto's gate; a request asking for pipelining gets 0
+    pipeline_branches: int = 1  # --pipeline-branches
 
 
 @dataclass(frozen=True)
@@ -193,7 +194,8 @@ class Turn:
         gate = self.settings.pipelining_min_full_accept if plan.turn.pipelined is None else 0.0
         loop_settings = LoopSettings(fixed or self.settings.num_draft_tokens, self.settings.retry_draft_after,
                                      adaptive=adaptive, max_draft_tokens=self.settings.max_adaptive_tokens,
-                                     pipelining=pipelining, pipeline_min_full_accept=gate)
+                                     pipelining=pipelining, pipeline_min_full_accept=gate,
+                                     pipeline_branches=self.settings.pipeline_branches)
         loop = SpeculativeLoop(self.target, self.draft, loop_settings, self.observer)
         return await loop.run(self.cursor, self.stop, self._emit)
 

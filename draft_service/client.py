@@ -21,11 +21,23 @@ import grpc.aio
 
 from specdec.engine.api import Proposal
 from specdec.engine.cycle_cost import DRAFT
+from specdec.errors import InvalidArgument
 from specdec.models.base import ModelInfo
 from specdec.rpc import draft_pb2, draft_pb2_grpc
 from specdec.rpc_convert import model_info_from_proto, sampling_params_to_proto, unpack_distributions
 from specdec.sampling.params import SamplingParams
 from specdec.server.client_base import Metadata, ServiceClient, ServiceDescription
+
+
+_BRANCH_KINDS = {"second_guess": draft_pb2.BRANCH_KIND_SECOND_GUESS,
+                 "rejected_last": draft_pb2.BRANCH_KIND_REJECTED_LAST}
+_KIND_NAMES = {value: name for name, value in _BRANCH_KINDS.items()}
+
+
+def _branch_kind(name: str) -> int:
+    if name not in _BRANCH_KINDS:
+        raise InvalidArgument(f"alternatives must be among {list(_BRANCH_KINDS)}, got {name!r}")
+    return _BRANCH_KINDS[name]
 
 
 @dataclass(frozen=True)
@@ -76,16 +88,25 @@ class DraftClient(ServiceClient):
         num_draft_tokens: int,
         parent_epoch: int = 0,
         speculative: bool = False,
+        alternatives: Sequence[str] = (),
     ) -> Proposal:
         request = draft_pb2.DraftServiceProposeRequest(
             session_id=session_id, parent_epoch=parent_epoch, keep_position=keep_position,
             append_token_ids=list(append_token_ids), num_draft_tokens=num_draft_tokens, speculative=speculative,
+            alternatives=[_branch_kind(kind) for kind in alternatives],
         )
         response = await self._timed_call(self._stub.Propose, request, session_id, keep_position, parent_epoch)
         rows = response.draft_distributions if response.HasField("draft_distributions") else None
         block = unpack_distributions(rows, response.draft_token_ids)
         guess = response.guessed_token_id if response.HasField("guessed_token_id") else None
-        return Proposal(response.epoch, response.position, block, response.proposer, response.speculative, guess)
+        branches = tuple(
+            Proposal(b.epoch, b.position,
+                     unpack_distributions(b.draft_distributions if b.HasField("draft_distributions") else None,
+                                          b.draft_token_ids),
+                     response.proposer, True, b.guessed_token_id, kind=_KIND_NAMES[b.kind])
+            for b in response.alternatives)
+        return Proposal(response.epoch, response.position, block, response.proposer, response.speculative, guess,
+                        alternatives=branches)
 
     async def describe(self) -> DraftDescription:
         response = await self._call(self._stub.GetInfo, draft_pb2.DraftServiceGetInfoRequest())

@@ -14,7 +14,9 @@ step t of every proposal drafted in one forward); a call that arrives during a s
 Pipelining: `speculative=true` drafts the next block while the parent is being verified (the
 engine's live proposal chain, specdec.engine.branches): the response carries guessed_token_id, the
 draft's guess of the target's next token, unless the proposer had none (then the block is empty).
-Speculative work joins the same batched step as sequential work.
+Speculative work joins the same batched step as sequential work. Multi-outcome pipelining: the
+request's `alternatives` become branches drafted in the same step (specdec.engine.alternatives),
+answered as repeated DraftBranch messages.
 """
 
 from __future__ import annotations
@@ -48,6 +50,16 @@ from specdec.server.service import BatchSettings
 from specdec.server.model_servicer import SPECDEC_SESSION_ID, EngineServicer, annotate, check_session_id
 
 DRAFT_SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
+BRANCH_KINDS = {"main": draft_pb2.BRANCH_KIND_MAIN, "second_guess": draft_pb2.BRANCH_KIND_SECOND_GUESS,
+                "rejected_last": draft_pb2.BRANCH_KIND_REJECTED_LAST}
+
+
+def _branch_kind_from_proto(kind: int) -> str:
+    for name, value in BRANCH_KINDS.items():
+        if value == kind and name != "main":
+            return name
+    raise InvalidArgument(f"alternatives must be BRANCH_KIND_SECOND_GUESS or BRANCH_KIND_REJECTED_LAST "
+                          f"(the main branch is always drafted), got {draft_pb2.BranchKind.Name(kind) if kind in draft_pb2.BranchKind.values() else kind}")
 
 
 @dataclass(frozen=True)
@@ -143,10 +155,11 @@ class DraftServicer(EngineServicer, draft_pb2_grpc.DraftServiceServicer):
         k = k or self._session_num_draft_tokens.get(request.session_id, self.config.num_draft_tokens)
         appended = list(request.append_token_ids)
         self._check_tokens(appended, request.keep_position, "append_token_ids")
+        alternatives = tuple(_branch_kind_from_proto(kind) for kind in request.alternatives)
         started = time.perf_counter()
         result, timing = await self.batcher.submit_timed(
             ProposeWork(request.session_id, request.keep_position, tuple(appended), k, request.parent_epoch,
-                        request.speculative)
+                        request.speculative, alternatives)
         )
         if isinstance(result, _Mismatch):
             trailing = ((ACTUAL_POSITION_KEY, str(result.length)), (LATEST_EPOCH_KEY, str(result.latest_epoch)),
@@ -168,6 +181,12 @@ class DraftServicer(EngineServicer, draft_pb2_grpc.DraftServiceServicer):
         if result.block.draft_probs is not None:
             response.draft_distributions.CopyFrom(pack_distributions(result.block))
         response.timing.CopyFrom(server_timing_to_proto(timing.model_ns, timing.queued_ns, received_ns))
+        for branch in result.alternatives:
+            msg = response.alternatives.add(
+                epoch=branch.epoch, kind=BRANCH_KINDS[branch.kind], position=branch.position,
+                guessed_token_id=branch.guessed_token_id, draft_token_ids=branch.block.token_ids.tolist())
+            if branch.block.draft_probs is not None:
+                msg.draft_distributions.CopyFrom(pack_distributions(branch.block))
         return response
 
     async def GetInfo(self, request, context):

@@ -453,3 +453,34 @@ async def test_pipelined_cycles_equal_plain_decoding_and_report_hits(redis_url, 
                        r'(\S+)', text)
     counted = (float(hits.group(1)) if hits else 0.0) + (float(misses.group(1)) if misses else 0.0)
     assert counted == len(marked)
+
+
+@pytest.mark.parametrize("draft", ["same", "ngram"])
+async def test_pipeline_branches_through_the_coordinator(redis_url, dirs, services, reference, draft):
+    """--pipeline-branches 3: plain decoding's tokens; hits by branch in the turn's stats, on the
+    cycle spans and in specdec_coordinator_pipeline_branch_hits_total, consistent with each other."""
+    n = 24
+    async with coordinator(redis_url, dirs, services, draft, pipelining=True, pipeline_branches=3) as c:
+        totals = {"main": 0, "second_guess": 0, "rejected_last": 0}
+        for prompt in PROMPTS:
+            messages = await c.generate(prompt=prompt, max_new_tokens=n)
+            assert tokens_of(messages) == expected(reference, reference.prompt_ids(prompt), n)
+            stats = messages[-1].stats
+            assert stats.fallbacks == 0 and stats.pipeline_hits + stats.pipeline_misses > 0
+            totals["second_guess"] += stats.pipeline_hits_second_guess
+            totals["rejected_last"] += stats.pipeline_hits_rejected_last
+            totals["main"] += stats.pipeline_hits - stats.pipeline_hits_second_guess - stats.pipeline_hits_rejected_last
+        spans = c.exporter.get_finished_spans()
+        text = urllib.request.urlopen(f"http://127.0.0.1:{c.host.metrics_port}/metrics", timeout=5).read().decode()
+    if draft == "same":
+        assert totals["main"] > 0
+    on_spans = [s.attributes["specdec.pipeline_branch"] for s in spans
+                if s.name == "specdec.cycle" and "specdec.pipeline_branch" in s.attributes]
+    proposer = "draft-model" if draft == "same" else "ngram"
+    for branch, count in totals.items():
+        assert on_spans.count(branch) == count
+        found = re.search(rf'specdec_coordinator_pipeline_branch_hits_total{{branch="{branch}",pool="speculative",'
+                          rf'proposer="{proposer}"}} (\S+)', text) or re.search(
+            rf'specdec_coordinator_pipeline_branch_hits_total{{pool="speculative",proposer="{proposer}",'
+            rf'branch="{branch}"}} (\S+)', text)
+        assert (float(found.group(1)) if found else 0.0) == count

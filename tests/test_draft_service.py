@@ -87,7 +87,7 @@ def plain(local_target):
     return tokens
 
 
-async def run_generation(target, draft, prompt, params, max_new_tokens=30, k=4, pipelining=False):
+async def run_generation(target, draft, prompt, params, max_new_tokens=30, k=4, pipelining=False, branches=1):
     emitted: list[int] = []
 
     async def emit(tokens):
@@ -95,7 +95,7 @@ async def run_generation(target, draft, prompt, params, max_new_tokens=30, k=4, 
 
     session_id = uuid.uuid4().hex
     result = await generate(target, draft, session_id, prompt, params, StopChecker(max_new_tokens, ()), emit,
-                            LoopSettings(num_draft_tokens=k, pipelining=pipelining))
+                            LoopSettings(num_draft_tokens=k, pipelining=pipelining, pipeline_branches=branches))
     assert emitted == result.token_ids
     await target.end_session(session_id)
     if draft is not None:
@@ -261,6 +261,52 @@ async def test_pipelined_generation_over_grpc_equals_plain_decoding(services, pl
         gumbel = SamplingParams(temperature=0.8, seed=5, mode=SamplingMode.GUMBEL)
         result = await run_generation(target, draft, PROMPTS[1], gumbel, pipelining=True)
         assert result.token_ids == await plain(PROMPTS[1], gumbel)
+
+
+async def test_alternative_branches_over_grpc(services, plain):
+    """alternatives: repeated DraftBranch in the response, each the block a sequential Propose drafts
+    after its outcome; naming one adopts it; a bad kind is INVALID_ARGUMENT; pipelined generation
+    with three branches equals plain decoding (greedy and Gumbel-coupled)."""
+    prompt = PROMPTS[1]
+    async with connect_draft(services["random"].address, PLAIN) as draft:
+        stub = draft_pb2_grpc.DraftServiceStub(draft.channel)
+        await draft.start_session("alt", prompt, GREEDY)
+        first = await draft.propose("alt", len(prompt), [], 3)
+        end = len(prompt) + 3
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Propose(draft_pb2.DraftServiceProposeRequest(
+                session_id="alt", parent_epoch=first.epoch, keep_position=end, speculative=True,
+                alternatives=[draft_pb2.BRANCH_KIND_MAIN]))
+        assert err.value.code() == Code.INVALID_ARGUMENT and "BRANCH_KIND_SECOND_GUESS" in err.value.details()
+        child = await draft.propose("alt", end, [], 3, first.epoch, speculative=True,
+                                    alternatives=("second_guess", "rejected_last"))
+        assert [b.kind for b in child.alternatives] == ["second_guess", "rejected_last"]
+        for branch in child.alternatives:
+            await draft.start_session("seq", prompt, GREEDY)
+            again = await draft.propose("seq", len(prompt), [], 3)
+            keep = end if branch.kind == "second_guess" else end - 1
+            sequential = await draft.propose("seq", keep, [branch.guessed_token_id], 3, again.epoch)
+            assert (sequential.position, sequential.block.token_ids.tolist()) == (
+                branch.position, branch.block.token_ids.tolist())
+            await draft.end_session("seq")
+        adopted = child.alternatives[1]
+        # Keep one token of the adopted branch: greedy drafting goes on with the branch's own tokens.
+        after = await draft.propose("alt", adopted.position + 1, [], 2, parent_epoch=adopted.epoch)
+        assert (after.position, after.block.token_ids.tolist()) == (
+            adopted.position + 1, adopted.block.token_ids.tolist()[1:])
+        with pytest.raises(errors.EpochMismatch):  # the main branch went when its sibling was adopted
+            await draft.propose("alt", child.position, [], 2, parent_epoch=child.epoch)
+        await draft.end_session("alt")
+    for kind in ("random", "ngram"):
+        target, draft = clients(services, kind)
+        async with target, draft:
+            for prompt in PROMPTS[:2]:
+                result = await run_generation(target, draft, prompt, GREEDY, pipelining=True, branches=3)
+                assert result.token_ids == await plain(prompt, GREEDY)
+                assert result.stats.fallbacks == 0 and result.stats.pipeline_hits + result.stats.pipeline_misses > 0
+            gumbel = SamplingParams(temperature=0.8, seed=5, mode=SamplingMode.GUMBEL)
+            result = await run_generation(target, draft, PROMPTS[1], gumbel, pipelining=True, branches=3)
+            assert result.token_ids == await plain(PROMPTS[1], gumbel)
 
 
 # ---- bad input -----------------------------------------------------------------------------------

@@ -160,15 +160,18 @@ def test_batched_speculative_work_equals_one_at_a_time(tiny_dirs):
 class CountingObserver(LoopObserver):
     def __init__(self):
         self.hits = self.misses = 0
+        self.branches: list[str] = []
 
-    def pipelined(self, hit: bool) -> None:
+    def pipelined(self, hit: bool, branch: str | None = None) -> None:
         if hit:
             self.hits += 1
+            self.branches.append(branch)
         else:
             self.misses += 1
 
 
-def run(target_path, draft: DraftEngine | None, prompt, params, pipelining: bool, max_new_tokens=40, k=4, eos=()):
+def run(target_path, draft: DraftEngine | None, prompt, params, pipelining: bool, max_new_tokens=40, k=4, eos=(),
+        branches=1):
     from specdec.generation.loop import SpeculativeLoop, start_generation
 
     target = TargetEngine(model(target_path))
@@ -184,7 +187,8 @@ def run(target_path, draft: DraftEngine | None, prompt, params, pipelining: bool
         stop = StopChecker(max_new_tokens, eos)
         stop.check([first])
         loop = SpeculativeLoop(LocalTarget(target), LocalDraft(draft) if draft else None,
-                               LoopSettings(num_draft_tokens=k, pipelining=pipelining), observer)
+                               LoopSettings(num_draft_tokens=k, pipelining=pipelining, pipeline_branches=branches),
+                               observer)
         result = await loop.run(cursor, stop, emit)
         assert target.committed_tokens(session_id) == list(prompt) + [first] + result.token_ids
         if draft is not None:  # the draft was left holding committed tokens only
@@ -193,6 +197,10 @@ def run(target_path, draft: DraftEngine | None, prompt, params, pipelining: bool
 
     tokens, stats = asyncio.run(main())
     assert (stats.pipeline_hits, stats.pipeline_misses) == (observer.hits, observer.misses)
+    assert (stats.pipeline_hits_second_guess, stats.pipeline_hits_rejected_last) == (
+        observer.branches.count("second_guess"), observer.branches.count("rejected_last"))
+    if draft is not None:  # the loop's final truncate leaves no alternative branch live
+        assert all(not s.alternatives for s in draft.sessions)
     return tokens, stats
 
 

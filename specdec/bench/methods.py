@@ -7,6 +7,7 @@ pays whatever it really costs (RPC, Redis, host work) except model loading and s
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -25,13 +26,19 @@ CATALOG: dict[str, str] = {
     "specdec-draft": "this system distributed, draft model, sequential cycles",
     "specdec-ngram-pipelined": "this system distributed, n-gram proposer, pipelined cycles",
     "specdec-draft-pipelined": "this system distributed, draft model, pipelined cycles",
+    "specdec-ngram-pipelined3": "pipelined, n-gram, 3 branches per speculative draft (--pipeline-branches 3)",
+    "specdec-draft-pipelined2": "pipelined, draft model, 2 branches: own and second bonus guess",
+    "specdec-draft-pipelined3": "pipelined, draft model, 3 branches: also all but the last token accepted",
 }
 NOT_BUILT: dict[str, str] = {}
-NEEDS_DRAFT = ("hf-assisted", "specdec-draft", "specdec-draft-pipelined")
-SERVICE_METHODS = ("plain", "specdec-ngram", "specdec-draft", "specdec-ngram-pipelined", "specdec-draft-pipelined")
-SPECULATIVE = ("hf-assisted", "hf-pld", "specdec-ngram", "specdec-draft", "specdec-ngram-pipelined",
-               "specdec-draft-pipelined")
+NEEDS_DRAFT = ("hf-assisted", "specdec-draft", "specdec-draft-pipelined", "specdec-draft-pipelined2",
+               "specdec-draft-pipelined3")
+SERVICE_METHODS = ("plain", "specdec-ngram", "specdec-draft", "specdec-ngram-pipelined", "specdec-draft-pipelined",
+                   "specdec-ngram-pipelined3", "specdec-draft-pipelined2", "specdec-draft-pipelined3")
+SPECULATIVE = ("hf-assisted", "hf-pld", *SERVICE_METHODS[1:])
 PIPELINED_SUFFIX = "-pipelined"  # the same coordinator as the sequential method; requests ask to pipeline
+# + a number of branches > 1: a coordinator of its own with --pipeline-branches N
+_PIPELINED = re.compile(r"-pipelined(?P<branches>[23])?$")
 REPLAY_PREFIX = "specdec-replay-"  # + alpha: the draft model's passes, the target's token with probability alpha
 
 
@@ -94,7 +101,22 @@ def is_service(name: str) -> bool:
 
 
 def is_pipelined(name: str) -> bool:
-    return base_name(name).endswith(PIPELINED_SUFFIX)
+    return _PIPELINED.search(base_name(name)) is not None
+
+
+def without_pipelining(name: str) -> str:
+    return _PIPELINED.sub("", name)
+
+
+def pipeline_branches_of(name: str) -> int:
+    match = _PIPELINED.search(base_name(name))
+    return int(match["branches"]) if match and match["branches"] else 1
+
+
+def coordinator_of(name: str) -> str | None:
+    """The coordinator a service method talks to: its proposer's, or a variant with more branches."""
+    proposer, branches = proposer_of(name), pipeline_branches_of(name)
+    return proposer if proposer is None or branches == 1 else f"{proposer}@branches{branches}"
 
 
 def is_speculative(name: str) -> bool:
@@ -103,7 +125,7 @@ def is_speculative(name: str) -> bool:
 
 def proposer_of(name: str) -> str | None:
     """The proposer a service method's coordinator drafts with (draft service name)."""
-    name = base_name(name).removesuffix(PIPELINED_SUFFIX)
+    name = without_pipelining(base_name(name))
     if name.startswith(REPLAY_PREFIX):
         return "replay-" + name[len(REPLAY_PREFIX):]
     return {"specdec-ngram": "ngram", "specdec-draft": "draft-model"}.get(name)
@@ -232,9 +254,9 @@ def choose_methods(requested: list[str] | None, have_draft: bool,
     (one per alpha) come after the catalog's."""
     names = list(requested) if requested else list(CATALOG)
     replays = [replay_method(a) for a in replay_alphas]
-    if "specdec-replay-pipelined" in names:  # a pipelined twin of every replay method
-        replays += [r + PIPELINED_SUFFIX for r in replays]
-    names = [n for n in names if n not in ("specdec-replay", "specdec-replay-pipelined")]
+    twins = [n for n in names if re.fullmatch(r"specdec-replay-pipelined[23]?", n)]
+    replays += [r + twin.removeprefix("specdec-replay") for twin in twins for r in replays]  # pipelined twins
+    names = [n for n in names if n != "specdec-replay" and n not in twins]
     unknown = [n for n in names if n not in CATALOG]
     if unknown:
         raise ValueError(f"unknown methods {unknown}; known: {', '.join(CATALOG)}")

@@ -23,8 +23,9 @@ from typing import Iterable
 
 import numpy as np
 
-from specdec.bench.methods import (DEFAULT_REFERENCE, PIPELINED_SUFFIX, REFERENCE, REPLAY_PREFIX, SERVER_POLICY,
-                                   RequestResult, base_name, fixed_k_of, is_service, is_speculative)
+from specdec.bench.methods import (DEFAULT_REFERENCE, REFERENCE, REPLAY_PREFIX,
+                                   RequestResult, base_name, fixed_k_of, is_service, is_speculative,
+                                   without_pipelining)
 from specdec.bench.timing import StepTimes, summarize
 from specdec.generation.equality import compare_outputs
 
@@ -32,15 +33,25 @@ from specdec.generation.equality import compare_outputs
 
 def timed_proposer(name: str) -> str | None:
     """Which engine timing (timing.py) gives a method's draft step: replay runs the draft model's passes."""
-    name = base_name(name).removesuffix(PIPELINED_SUFFIX)
+    name = without_pipelining(base_name(name))
     if name == "specdec-ngram":
         return "ngram"
     return "draft-model" if name == "specdec-draft" or name.startswith(REPLAY_PREFIX) else None
 
 _SUMMED = ("cycles", "drafted", "accepted", "recovered", "bonus", "decode_steps", "fallbacks", "draft_seconds",
            "verify_seconds", "decode_seconds", "pipeline_hits", "pipeline_misses", "pipeline_wrong_guesses",
-           "pipeline_rejected_last", "timed_cycles", "cycle_seconds", "draft_model_seconds",
+           "pipeline_rejected_last", "pipeline_hits_second_guess", "pipeline_hits_rejected_last",
+           "timed_cycles", "cycle_seconds", "draft_model_seconds",
            "target_model_seconds", "queued_seconds", "handler_seconds", "call_seconds")
+
+
+def _hit_rates_by_branch(s: dict) -> dict | None:
+    attempts = s["pipeline_hits"] + s["pipeline_misses"]
+    if not attempts:
+        return None
+    second, rejected_last = s["pipeline_hits_second_guess"], s["pipeline_hits_rejected_last"]
+    return {"main": (s["pipeline_hits"] - second - rejected_last) / attempts,
+            "second_guess": second / attempts, "rejected_last": rejected_last / attempts}
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -94,6 +105,8 @@ def group_metrics(results: list[RequestResult], wall_s: float | None = None) -> 
                                           if s["pipeline_hits"] + s["pipeline_misses"] else None),
             "pipeline_rejected_last_rate": (s["pipeline_rejected_last"] / (s["pipeline_hits"] + s["pipeline_misses"])
                                             if s["pipeline_hits"] + s["pipeline_misses"] else None),
+            # Hit rate by the branch that hit (multi-outcome pipelining; main = the draft's own guess).
+            "pipeline_hit_rate_by_branch": _hit_rates_by_branch(s),
             "mean_drafted_per_cycle": s["drafted"] / cycles if cycles else None,
             "drafted_by_position": drafted_pos, "accepted_by_position": accepted_pos,
             "acceptance_by_position": [a / d if d else None for a, d in zip(accepted_pos, drafted_pos)],

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from specdec.bench import meta, phases
 from specdec.bench.methods import (CATALOG, REPLAY_PREFIX, SERVER_POLICY, InProcessPlain, RequestResult,
-                                   ServiceMethod, base_name, choose_methods, fixed_k_of, is_pipelined, is_service,
-                                   parse_k_policy, policy_variants, proposer_of)
+                                   ServiceMethod, base_name, choose_methods, coordinator_of, fixed_k_of, is_pipelined,
+                                   is_service, parse_k_policy, policy_variants, proposer_of)
 from specdec.bench.prompts import load_prompts, select_prompts
 from specdec.bench.services import Deployment, ServiceOptions
 from specdec.bench.timing import EngineTimer, StepTimes
@@ -119,7 +119,10 @@ class Bench:
                               c.threads, num_slots=max(8, max(c.concurrency) + 4), cuda_graphs=c.cuda_graphs,
                               max_context=c.max_context,
                               num_draft_tokens=c.num_draft_tokens, replay_references=self.references,
-                              replay_seed=c.replay_seed, extra_env=dict(c.extra_env))
+                              replay_seed=c.replay_seed, extra_env=dict(c.extra_env),
+                              branch_coordinators=tuple(dict.fromkeys(
+                                  coordinator_of(m) for m in self.methods
+                                  if is_service(m) and proposer_of(m) and "@" in coordinator_of(m))))
 
     def service_methods(self, coordinators: dict[str, str]) -> dict[str, ServiceMethod]:
         c = self.config
@@ -129,7 +132,7 @@ class Bench:
             if name == "plain":
                 out[name] = ServiceMethod(name, coordinators["baseline"], "baseline", 0, c.ignore_eos)
             elif is_service(name):
-                out[name] = ServiceMethod(name, coordinators[proposer_of(name)], None, k, c.ignore_eos,
+                out[name] = ServiceMethod(name, coordinators[coordinator_of(name)], None, k, c.ignore_eos,
                                           pipelined=is_pipelined(name))
         return out
 

@@ -31,6 +31,8 @@ class ServiceOptions:
     replay_references: Path | None = None  # replay proposers (model-scale runs): references file
     replay_seed: int = 0
     extra_env: dict = field(default_factory=dict)
+    # Extra coordinators "<proposer>@branches<N>" with --pipeline-branches N (multi-outcome methods).
+    branch_coordinators: tuple[str, ...] = ()
 
 
 def draft_specs(options: ServiceOptions, proposers: list[str]) -> dict[str, tuple[str, list[str]]]:
@@ -104,6 +106,10 @@ class Deployment:
         the services through `network` (a delay network reuses the running services)."""
         target = network.route("target", self.target.address)
         plans = {name: ["--draft", network.route("draft", proc.address)] for name, proc in self.drafts.items()}
+        for variant in self.options.branch_coordinators:
+            proposer, _, branches = variant.partition("@branches")
+            if proposer in plans:
+                plans[variant] = [*plans[proposer], "--pipeline-branches", branches]
         if not plans:
             plans = {"baseline": ["--default-pool", "baseline"]}
         started = {}

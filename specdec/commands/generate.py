@@ -44,6 +44,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--draft-length", choices=["adaptive", "fixed"], default="adaptive")
     parser.add_argument("--pipelining", choices=["on", "off"], default="off",
                         help="pipelined cycles (in one process the engines take turns: same output, no gain)")
+    parser.add_argument("--pipeline-branches", type=int, choices=[1, 2, 3], default=1,
+                        help="with --pipelining on: branches per speculative draft (2: + a second bonus guess, "
+                             "3: + all but the last token accepted; docs/PIPELINING.md)")
     parser.add_argument("--draft-head-vocab", type=parse_head_vocab, default="auto",
                         help="score only the draft's N most frequent tokens and the session's own context "
                              "tokens ('auto': the draft's recommendation on CPU; 'full' or 0: the whole vocabulary)")
@@ -81,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
                                        num_draft_tokens=args.num_draft_tokens,
                                        adaptive=args.draft_length == "adaptive",
                                        pipelining=args.pipelining == "on",
+                                       pipeline_branches=args.pipeline_branches,
                                        draft_head_vocab=args.draft_head_vocab))
     prompt_ids = system.encode(args.prompt, raw=args.raw)
     stream = None if args.json else (lambda text: print(text, end="", flush=True))
@@ -119,4 +123,6 @@ def summarize(result, draft: str) -> dict:
         "acceptance_by_position": [round(a, 3) for a in stats.acceptance_by_position()],
         "fallbacks": stats.fallbacks,
         "pipeline_hit_rate": None if stats.pipeline_hit_rate is None else round(stats.pipeline_hit_rate, 3),
+        "pipeline_hits_second_guess": stats.pipeline_hits_second_guess,
+        "pipeline_hits_rejected_last": stats.pipeline_hits_rejected_last,
     }

@@ -36,6 +36,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--num-draft-tokens", "-k", type=int, default=4)
     parser.add_argument("--pipelining", choices=["on", "off"], default="off",
                         help="the coordinator's --pipelining: draft the next block during verification")
+    parser.add_argument("--pipeline-branches", type=int, choices=[1, 2, 3], default=1,
+                        help="with --pipelining on: branches per speculative draft (2: + a second bonus guess, "
+                             "3: + all but the last token accepted; docs/PIPELINING.md)")
     parser.add_argument("--log-dir", type=Path, help="service logs (default: a temporary folder)")
     parser.add_argument("--prompt", help="send this prompt, print the answer and statistics, then stop")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="for --prompt")
@@ -83,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
         coordinator_cli = ["--host", "127.0.0.1", "--plaintext", "--port", str(args.port),
                            "--tokenizer", str(target_dir), "--redis-url", redis_url,
                            "--target", target.address, "--target-plaintext", "--draft-plaintext",
-                           "--num-draft-tokens", str(args.num_draft_tokens), "--pipelining", args.pipelining]
+                           "--num-draft-tokens", str(args.num_draft_tokens), "--pipelining", args.pipelining,
+                           "--pipeline-branches", str(args.pipeline_branches)]
         if draft_proc:
             coordinator_cli += ["--draft", draft_proc.address]
         else:

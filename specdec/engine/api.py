@@ -9,7 +9,7 @@ Positions are absolute token indices in the session's committed sequence. `posit
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 from specdec.models.base import ModelInfo
@@ -23,7 +23,10 @@ class Proposal:
 
     A speculative proposal (pipelining) assumes its parent fully accepted and the target's next
     token equal to guessed_token_id, placed at position - 1; it is valid only if that comes true.
-    A speculative proposal without a guess (the proposer had none) is empty and never valid."""
+    A speculative proposal without a guess (the proposer had none) is empty and never valid.
+    Its alternatives (multi-outcome pipelining, specdec.engine.alternatives) are speculative
+    proposals for other outcomes of the same parent, each valid where the target commits its guess
+    at position - 1; at most one is."""
 
     epoch: int  # id of this proposal within the session, increasing; confirmed by the next Propose
     position: int
@@ -31,6 +34,8 @@ class Proposal:
     proposer: str
     speculative: bool = False
     guessed_token_id: int | None = None
+    kind: str = "main"  # "main" | "second_guess" | "rejected_last" (specdec.engine.alternatives)
+    alternatives: tuple["Proposal", ...] = field(default=())
 
 
 class TargetAPI(Protocol):
@@ -71,11 +76,13 @@ class DraftAPI(Protocol):
         num_draft_tokens: int,
         parent_epoch: int = 0,
         speculative: bool = False,
+        alternatives: Sequence[str] = (),
     ) -> Proposal:
         """Accept/rollback (keep the first keep_position tokens, append the target's tokens), then
         draft num_draft_tokens tokens with the exact distributions they were sampled from.
         speculative: keep the whole parent (keep_position = its end, nothing appended), guess the
-        target's next token and draft after the guess (draft.proto, pipelining)."""
+        target's next token and draft after the guess (draft.proto, pipelining); alternatives: also
+        draft these branches for other outcomes in the same pass (specdec.engine.alternatives)."""
 
     async def truncate(self, session_id: str, position: int) -> int: ...
 

@@ -57,7 +57,12 @@ class ProposalChain:
                    append_token_ids: tuple[int, ...] | list[int], length: int) -> LiveProposal:
         """Validate a message built on a live parent (`length`: the draft's whole sequence, for
         the refusal); return the parent."""
-        parent = self.live[self.index_of(parent_epoch)]
+        return self.check_keep_on(self.live[self.index_of(parent_epoch)], keep_position, speculative,
+                                  append_token_ids, length)
+
+    def check_keep_on(self, parent: LiveProposal, keep_position: int, speculative: bool,
+                      append_token_ids: tuple[int, ...] | list[int], length: int) -> LiveProposal:
+        """check_keep for a given parent (also an alternative branch, specdec.engine.alternatives)."""
         if speculative:
             if append_token_ids:
                 raise InvalidArgument("a speculative Propose appends no tokens: it assumes the parent's "
@@ -79,15 +84,22 @@ class ProposalChain:
     def clear(self) -> None:
         self.live.clear()
 
+    def new_epoch(self) -> int:
+        self.issued += 1
+        return self.issued
+
     def add(self, start: int, end: int, speculative: bool = False,
             guessed_token_id: int | None = None) -> tuple[LiveProposal, int | None]:
         """Record a new newest proposal; return it and, when the oldest had to be settled to stay
         within max_live, the position up to which tokens are now committed."""
-        self.issued += 1
-        proposal = LiveProposal(self.issued, start, end, speculative, guessed_token_id)
+        proposal = LiveProposal(self.new_epoch(), start, end, speculative, guessed_token_id)
+        return proposal, self.append(proposal)
+
+    def append(self, proposal: LiveProposal) -> int | None:
+        """Make an issued proposal the newest live one (an adopted alternative); see add()."""
         self.live.append(proposal)
         settled_to = None
         while len(self.live) > self.max_live:
             self.live.pop(0)
             settled_to = self.live[0].start
-        return proposal, settled_to
+        return settled_to

@@ -61,10 +61,11 @@ class LocalDraft:
         num_draft_tokens: int,
         parent_epoch: int = 0,
         speculative: bool = False,
+        alternatives: Sequence[str] = (),
     ) -> Proposal:
         with model_time(DRAFT):
             return self.engine.propose(session_id, keep_position, append_token_ids, num_draft_tokens, parent_epoch,
-                                       speculative)
+                                       speculative, alternatives)
 
     async def truncate(self, session_id: str, position: int) -> int:
         return self.engine.truncate(session_id, position)

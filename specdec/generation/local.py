@@ -42,6 +42,7 @@ class LocalSettings:
     num_draft_tokens: int = 4
     adaptive: bool = True  # adapt the draft length per session (specdec.generation.adaptive)
     pipelining: bool = False  # pipelined cycles (specdec.generation.pipeline); no overlap in one process
+    pipeline_branches: int = 1  # branches per speculative draft (specdec.engine.alternatives)
     top_m: int = 64
     draft_head_vocab: int | str | None = "auto"  # reduced draft output head (specdec.models.loader)
 
@@ -116,7 +117,8 @@ class LocalSystem:
             result = await generate(target, draft, session_id, prompt_ids, params, stop, emit,
                                     LoopSettings(num_draft_tokens=self.settings.num_draft_tokens,
                                                  adaptive=self.settings.adaptive,
-                                                 pipelining=self.settings.pipelining))
+                                                 pipelining=self.settings.pipelining,
+                                                 pipeline_branches=self.settings.pipeline_branches))
         finally:
             self.target_engine.end_session(session_id)
             if self.draft_engine is not None:

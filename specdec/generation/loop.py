@@ -42,6 +42,9 @@ class LoopSettings:
     # Pipelining only while the session's recent share of wholly accepted blocks (an upper bound on
     # the hit rate) is at least this; 0: always. Misses cost draft work that may share the hardware.
     pipeline_min_full_accept: float = 0.0
+    # Branches per speculative draft: 1 the main one (all accepted, the draft's own bonus guess); 2
+    # adds a second bonus guess; 3 also all-but-last accepted (specdec.engine.alternatives).
+    pipeline_branches: int = 1
 
 
 @dataclass
@@ -87,8 +90,9 @@ class LoopObserver:
     def fell_back(self, error: Exception) -> None:
         """The draft failed; the next cycles decode plainly."""
 
-    def pipelined(self, hit: bool) -> None:
-        """A pipelined cycle's speculative block was confirmed (hit) or discarded (miss)."""
+    def pipelined(self, hit: bool, branch: str | None = None) -> None:
+        """A pipelined cycle's speculative block was confirmed (hit; branch: which kind, "main",
+        "second_guess" or "rejected_last") or discarded (miss)."""
 
     def cycle_cost(self, cost: CycleCost) -> None:
         """Where the cycle's time went (called at its end, inside cycle())."""

@@ -17,6 +17,12 @@ a sequential Propose would draft after committing g there; it is used only when 
 commit that very prefix. A guess that turned out wrong never reaches the target. So a pipelined run
 commits the same tokens as a sequential one (and, in greedy or Gumbel-coupled mode, as plain
 decoding); only the timing changes.
+
+Multi-outcome (LoopSettings.pipeline_branches > 1): the speculative Propose also drafts alternatives
+for other outcomes of P (a second bonus guess, all but P's last token accepted with a guessed
+recovered token; specdec.engine.alternatives) in the same batched pass. The branch whose guess the
+target committed at its position is the hit, by the same argument: it was drafted on exactly the
+committed sequence. The next message names it, which makes the draft adopt it and drop the others.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from specdec.engine.alternatives import alternatives_for
 from specdec.engine.api import Proposal
 from specdec.generation.stats import SpeculationStats
 from specdec.generation.stopping import StopChecker
@@ -39,16 +46,23 @@ log = logging.getLogger(__name__)
 FULL_ACCEPT_GAIN = 0.1  # weight of the newest cycle in the full-acceptance average (about the last 10)
 
 
+def matching_branch(parent: Proposal, outcome: VerifyOutcome, child: Proposal | None) -> Proposal | None:
+    """The speculative branch (the child or one of its alternatives) that is valid after `outcome`:
+    the target committed exactly its guess at its guess position, so the branch was drafted on the
+    committed sequence. A main or second_guess branch needs the parent verified and accepted in
+    full (not trimmed by a loaded target), a rejected_last one all of it but its last token."""
+    if child is None:
+        return None
+    committed_at = parent.position + outcome.num_accepted  # where the target's next token sits
+    for branch in (child, *child.alternatives):
+        if (branch.guessed_token_id is not None and branch.position - 1 == committed_at
+                and outcome.next_token == branch.guessed_token_id):
+            return branch
+    return None
+
+
 def is_hit(parent: Proposal, outcome: VerifyOutcome, child: Proposal | None) -> bool:
-    """The speculative child is valid: its parent was verified in full (not trimmed by a loaded
-    target) and the target's bonus token is the child's guess."""
-    return (
-        child is not None
-        and child.guessed_token_id is not None
-        and outcome.num_drafted == parent.block.num_tokens
-        and outcome.num_accepted == parent.block.num_tokens
-        and outcome.next_token == child.guessed_token_id
-    )
+    return matching_branch(parent, outcome, child) is not None
 
 
 def miss_kind(parent: Proposal, outcome: VerifyOutcome, child: Proposal) -> str:
@@ -75,6 +89,7 @@ class PipelinedDrafting:
         # Observed on every cycle, speculative or not, so the gate reopens by itself. Starts at 1:
         # pipeline until the session shows it does not pay.
         self.full_accept_rate = 1.0
+        self.alternatives = alternatives_for(loop.settings.pipeline_branches)
 
     async def speculate(
         self, cursor: "SessionCursor", k: int, stats: SpeculationStats, stop: StopChecker
@@ -110,11 +125,13 @@ class PipelinedDrafting:
             whole = float(outcome.num_accepted == proposal.block.num_tokens)
             self.full_accept_rate += FULL_ACCEPT_GAIN * (whole - self.full_accept_rate)
         if child is not None:
-            hit = is_hit(proposal, outcome, child)
-            stats.record_pipeline(hit, None if hit else miss_kind(proposal, outcome, child))
-            loop.observer.pipelined(hit)
+            branch = matching_branch(proposal, outcome, child)
+            hit = branch is not None
+            stats.record_pipeline(hit, None if hit else miss_kind(proposal, outcome, child),
+                                  branch.kind if hit else None)
+            loop.observer.pipelined(hit, branch.kind if hit else None)
             if hit:
-                self._take_child(cursor, proposal, child)
+                self._take_child(cursor, proposal, branch)
             else:
                 self._drop_child(cursor, proposal, len(new_tokens))
         return new_tokens
@@ -139,9 +156,10 @@ class PipelinedDrafting:
         Propose names the parent, which the refused or failed call left live)."""
         try:
             with self.loop.observer.step("propose_speculative"):
+                alternatives = self.alternatives
                 return await self.loop.draft.propose(
                     cursor.session_id, parent.position + parent.block.num_tokens, (), k, parent.epoch,
-                    speculative=True,
+                    speculative=True, **({"alternatives": alternatives} if alternatives else {}),
                 )
         except Exception as exc:  # noqa: BLE001 - pipelining is an optimisation; the cycle goes on
             log.info("speculative draft failed for session %s: %s", cursor.session_id, exc)
@@ -149,7 +167,7 @@ class PipelinedDrafting:
 
     def _take_child(self, cursor: "SessionCursor", parent: Proposal, child: Proposal) -> None:
         """The draft's sequence is now the committed one (ending in the guess) plus the child's
-        block; the next ordinary Propose, if any, builds on the child."""
+        block (the valid branch's); the next message names it, so the draft adopts that branch."""
         self.ready = child
         cursor.draft_tokens = cursor.tokens + child.block.token_ids.tolist()
         # Where this cycle's tokens start, not the committed length: a stop inside them cuts the

@@ -21,6 +21,9 @@ class SpeculationStats:
     pipeline_misses: int = 0  # pipelined cycles whose speculative block was discarded
     pipeline_wrong_guesses: int = 0  # ... of them: the block was fully accepted, the bonus guess was wrong
     pipeline_rejected_last: int = 0  # ... of them: only the block's last token was rejected
+    # Hits by the branch that hit (multi-outcome pipelining); main hits are the rest of pipeline_hits.
+    pipeline_hits_second_guess: int = 0  # all accepted, the bonus was the draft's second guess
+    pipeline_hits_rejected_last: int = 0  # all but the last accepted, the recovered token was guessed
     drafted_by_position: list[int] = field(default_factory=list)  # [i]: drafts that had a token i
     accepted_by_position: list[int] = field(default_factory=list)  # [i]: ... whose token i was accepted
     draft_seconds: float = 0.0
@@ -76,10 +79,13 @@ class SpeculationStats:
         """Tokens committed per verify cycle (accepted + the recovered/bonus token)."""
         return (self.accepted + self.cycles) / self.cycles if self.cycles else 0.0
 
-    def record_pipeline(self, hit: bool, miss_kind: str | None = None) -> None:
-        """One pipelined cycle; a miss's kind as specdec.generation.pipeline.miss_kind says."""
+    def record_pipeline(self, hit: bool, miss_kind: str | None = None, branch: str | None = None) -> None:
+        """One pipelined cycle; a miss's kind as specdec.generation.pipeline.miss_kind says, a
+        hit's branch as specdec.engine.alternatives names it."""
         if hit:
             self.pipeline_hits += 1
+            self.pipeline_hits_second_guess += branch == "second_guess"
+            self.pipeline_hits_rejected_last += branch == "rejected_last"
             return
         self.pipeline_misses += 1
         self.pipeline_wrong_guesses += miss_kind == "wrong_guess"
@@ -97,6 +103,7 @@ class SpeculationStats:
     def merge(self, other: "SpeculationStats") -> None:
         for name in ("cycles", "drafted", "accepted", "recovered", "bonus", "decode_steps", "fallbacks",
                      "pipeline_hits", "pipeline_misses", "pipeline_wrong_guesses", "pipeline_rejected_last",
+                     "pipeline_hits_second_guess", "pipeline_hits_rejected_last",
                      "draft_seconds", "verify_seconds", "decode_seconds", "timed_cycles", "cycle_seconds",
                      "draft_model_seconds", "target_model_seconds", "queued_seconds", "handler_seconds", "call_seconds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))

@@ -146,6 +146,11 @@ class CoordinatorMetrics:
         self.pipeline_hits = Counter(
             "pipeline_hits", "Pipelined drafts confirmed by the verify outcome.", POOL_LABELS, **common
         )
+        self.pipeline_branch_hits = Counter(
+            "pipeline_branch_hits",
+            "Pipelined hits by the branch that hit: main, second_guess or rejected_last (multi-outcome drafting).",
+            (*POOL_LABELS, "branch"), **common,
+        )
         self.pipeline_misses = Counter(
             "pipeline_misses", "Pipelined drafts discarded by the verify outcome.", POOL_LABELS, **common
         )

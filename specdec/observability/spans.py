@@ -44,6 +44,7 @@ SPECDEC_NUM_DRAFT_TOKENS = "specdec.num_draft_tokens"
 SPECDEC_NUM_ACCEPTED = "specdec.num_accepted"
 SPECDEC_NEXT_TOKEN_KIND = "specdec.next_token_kind"  # "recovered" (after a rejection) or "bonus"
 SPECDEC_PIPELINE_HIT = "specdec.pipeline_hit"
+SPECDEC_PIPELINE_BRANCH = "specdec.pipeline_branch"  # on a hit: main | second_guess | rejected_last
 SPECDEC_POOL = "specdec.pool"  # "speculative" or "baseline"
 # Per-cycle cost (specdec.engine.cycle_cost), milliseconds: wall, inside each model, the rest.
 SPECDEC_CYCLE_MS = "specdec.cycle_ms"

@@ -6,11 +6,25 @@ distributions they were sampled from (none for deterministic proposers: a point 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 from specdec.models.base import ModelInfo
 from specdec.sampling.params import SamplingParams
 from specdec.types import DraftBlock
+
+
+@dataclass(frozen=True)
+class NextTokens:
+    """A proposer's view of the next position: the token it would draft there (its own, sampled
+    with its position-keyed randomness, as propose(..., 1) returns it) and its most likely tokens,
+    best first. Multi-outcome pipelining guesses the target's token with the ranked ones."""
+
+    own: int
+    ranked: tuple[int, ...]
+
+    def best_other_than(self, *excluded: int) -> int | None:
+        return next((t for t in self.ranked if t not in excluded), None)
 
 
 class Proposer(Protocol):
@@ -34,3 +48,10 @@ class Proposer(Protocol):
 
         The i-th drafted token sits at absolute position len(token_ids) + i; counter-based
         randomness is keyed on that position. May return fewer tokens (even none)."""
+
+    # Optional, for multi-outcome pipelining (specdec.engine.alternatives); a proposer without them
+    # drafts only the main branch.
+    #   rank_batch(requests: [(state, token_ids, params)], num_ranked) -> [NextTokens | None | Exception]
+    #     (NextTokens.own must be the token propose(..., 1) drafts: it becomes the main guess)
+    #   fork(state, length) -> a new state holding what `state` caches of the first `length` tokens
+    #   adopt(state, branch): `state` takes over the branch's cache (the branch state is used up)

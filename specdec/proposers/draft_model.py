@@ -8,12 +8,14 @@ propose_batch drafts for many sessions together (the draft service's continuous 
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Collection, Sequence
 
 from specdec.errors import CacheFull, InvalidArgument
 from specdec.models.base import CausalLM, ModelInfo
+from specdec.proposers.base import NextTokens
 from specdec.sampling.draft import pack_sparse, sample_draft_token
 from specdec.sampling.params import SamplingParams
 from specdec.types import DraftBlock
@@ -48,6 +50,8 @@ class _Drafting:
     feed: list[int] = field(default_factory=list)  # tokens the next forward appends to its slot
     drafted: list[int] = field(default_factory=list)
     sparse: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (ids [m], probs [m])
+    num_ranked: int = 0  # rank_batch: how many of the first position's most likely tokens to keep
+    ranked: list[int] = field(default_factory=list)
 
     def block(self) -> DraftBlock:
         token_ids = torch.tensor(self.drafted, dtype=torch.long)
@@ -72,6 +76,7 @@ class DraftModelProposer:
             in_head[self._head] = True
             self._in_head = in_head.tolist()
         self._open: OrderedDict[str, _DraftSlot] = OrderedDict()  # least recently used first
+        self._branch_ids = itertools.count(1)
 
     def info(self) -> ModelInfo | None:
         return self.model.info
@@ -104,16 +109,54 @@ class DraftModelProposer:
         forward (proposals differ in length and position; each row is sampled with its own
         parameters at its own position), so the tokens and distributions are those of propose()
         one session at a time. Item i's block, or its own exception, is at index i."""
-        results: list[DraftBlock | Exception] = [DraftBlock.empty()] * len(requests)
+        results = self._run([(state, token_ids, num_tokens, params, 0)
+                             for state, token_ids, num_tokens, params in requests])
+        return [r if isinstance(r, Exception) else (r.block() if r is not None else DraftBlock.empty())
+                for r in results]
+
+    def rank_batch(self, requests: Sequence[tuple[_DraftSlot, Sequence[int], SamplingParams]],
+                   num_ranked: int) -> list[NextTokens | None | Exception]:
+        """For each (state, token_ids, params): the token propose(..., 1) would draft next and the
+        num_ranked most likely ones by the draft's logits, in one batched forward. None: no room."""
+        results = self._run([(state, token_ids, 1, params, num_ranked) for state, token_ids, params in requests])
+        return [r if r is None or isinstance(r, Exception) else NextTokens(r.drafted[0], tuple(r.ranked))
+                for r in results]
+
+    def _run(self, requests: Sequence[tuple]) -> list[_Drafting | None | Exception]:
+        results: list[_Drafting | None | Exception] = [None] * len(requests)
         pending = []
-        for index, (state, token_ids, num_tokens, params) in enumerate(requests):
+        for index, (state, token_ids, num_tokens, params, num_ranked) in enumerate(requests):
             # The last drafted token needs no forward, hence the + 1: room for len + num_tokens - 1.
             num_tokens = min(num_tokens, self.model.info.max_context - len(token_ids) + 1)
             if num_tokens > 0 and token_ids:
-                pending.append(_Drafting(index, state, token_ids, num_tokens, params))
+                pending.append(_Drafting(index, state, token_ids, num_tokens, params, num_ranked=num_ranked))
         while pending:
             pending = self._draft_round(pending, results)
         return results
+
+    def fork(self, state: _DraftSlot, length: int) -> _DraftSlot:
+        """A branch state (multi-outcome pipelining) holding the session's cache of its first
+        `length` tokens, copied into a free slot of its own. CacheFull when no slot is free: a
+        branch is optional, so it never evicts another session's cache."""
+        if self.model.num_free_slots == 0:
+            raise CacheFull("no free KV slot for an alternative branch; every slot holds a session")
+        branch = _DraftSlot(f"{state.session_id}\x00branch{next(self._branch_ids)}")
+        branch.context_ids, branch.context_scanned = list(state.context_ids), list(state.context_scanned)
+        branch.context_tensor = state.context_tensor  # replaced, never written in place
+        self._open[branch.session_id] = branch
+        branch.slot = self.model.allocate()
+        if state.slot is not None:
+            self.model.fork(state.slot, branch.slot, min(length, self.model.length(state.slot)))
+        return branch
+
+    def adopt(self, state: _DraftSlot, branch: _DraftSlot) -> None:
+        """The session continues on a branch it forked: it takes the branch's slot and context."""
+        if state.slot is not None and state.slot != branch.slot:
+            self.model.free(state.slot)
+        state.slot, branch.slot = branch.slot, None
+        state.context_ids, state.context_scanned = branch.context_ids, branch.context_scanned
+        state.context_tensor = branch.context_tensor
+        self.close(branch)
 
     def _draft_round(self, pending: list[_Drafting], results: list) -> list[_Drafting]:
         """Draft the proposals that get a KV slot; return those left for the next round."""
@@ -136,7 +179,7 @@ class DraftModelProposer:
                 results[d.index] = exc
         else:
             for d in ready:
-                results[d.index] = d.block()
+                results[d.index] = d
         return [d for d, _ in full]  # the ready rows' slots are evictable again now
 
     def _draft_steps(self, rows: list[_Drafting]) -> None:
@@ -155,6 +198,8 @@ class DraftModelProposer:
                 position = len(d.token_ids) + len(d.drafted)
                 full = self._full_vocab(row_logits[-1], None if extra is None else extra[i])
                 token, ids, probs = sample_draft_token(full, d.params, position, self.top_m)
+                if d.num_ranked and not d.drafted:
+                    d.ranked = torch.topk(full, min(d.num_ranked, full.numel())).indices.tolist()
                 d.drafted.append(token)
                 d.sparse.append((ids, probs))
                 d.feed = [token]

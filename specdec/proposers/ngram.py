@@ -14,6 +14,7 @@ import torch
 
 from specdec.errors import InvalidArgument
 from specdec.models.base import ModelInfo
+from specdec.proposers.base import NextTokens
 from specdec.sampling.params import SamplingParams
 from specdec.types import DraftBlock
 
@@ -52,6 +53,34 @@ class NgramProposer:
                 continuation = window[start + n : start + n + num_tokens]
                 return DraftBlock(token_ids=torch.from_numpy(continuation.copy()))
         return DraftBlock.empty()
+
+    def rank_batch(self, requests: Sequence, num_ranked: int) -> list[NextTokens | None]:
+        """Own next token: propose(..., 1)'s (so a subclass that drafts otherwise stays consistent);
+        then what followed every earlier occurrence of the suffix, longest n-gram first, most
+        recent first, each token once."""
+        out: list[NextTokens | None] = []
+        for state, token_ids, params in requests:
+            block = self.propose(state, token_ids, 1, params)
+            if block.num_tokens == 0:
+                out.append(None)
+                continue
+            own = int(block.token_ids[0])
+            others = [t for t in self._continuations(token_ids, num_ranked + 1) if t != own]
+            out.append(NextTokens(own, (own, *others)[:num_ranked]))
+        return out
+
+    def _continuations(self, token_ids: Sequence[int], limit: int) -> list[int]:
+        window = np.asarray(token_ids[-self.max_lookback :], dtype=np.int64)
+        found: list[int] = []
+        for n in range(min(self.max_ngram, len(window) - 1), self.min_ngram - 1, -1):
+            candidates = np.lib.stride_tricks.sliding_window_view(window[:-1], n)  # [len - n, n]
+            for start in np.flatnonzero((candidates == window[-n:]).all(axis=1))[::-1]:
+                token = int(window[start + n])
+                if token not in found:
+                    found.append(token)
+                if len(found) >= limit:
+                    return found
+        return found
 
     @staticmethod
     def _last_match(window: np.ndarray, n: int) -> int | None:

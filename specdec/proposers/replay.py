@@ -26,6 +26,7 @@ import torch
 
 from specdec.errors import InvalidArgument
 from specdec.models.base import CausalLM
+from specdec.proposers.base import NextTokens
 from specdec.proposers.draft_model import DraftModelProposer
 from specdec.types import DraftBlock
 
@@ -59,6 +60,20 @@ class ReplayProposer(DraftModelProposer):
             tokens = [self._choose(reference, len(token_ids) + i, token) for i, token in enumerate(own)]
             replayed.append(DraftBlock(token_ids=torch.tensor(tokens, dtype=torch.long)))
         return replayed
+
+    def rank_batch(self, requests: Sequence, num_ranked: int) -> list[NextTokens | None | Exception]:
+        """The replayed token first, then the draft model's own ranking. Note for benchmarks: where
+        the replayed token is a wrong one, it is a random token, so the model's own best token is a
+        far better guess of the target's than a real draft's runner-up would be."""
+        ranked = super().rank_batch(requests, num_ranked)
+        out: list[NextTokens | None | Exception] = []
+        for (state, token_ids, _), next_tokens in zip(requests, ranked):
+            if next_tokens is None or isinstance(next_tokens, Exception):
+                out.append(next_tokens)
+                continue
+            own = self._choose(self._reference(state.session_id, token_ids), len(token_ids), next_tokens.own)
+            out.append(NextTokens(own, (own, *(t for t in next_tokens.ranked if t != own))[:num_ranked]))
+        return out
 
     def _reference(self, session_id: str, token_ids: Sequence[int]) -> int | None:
         """The reference this session follows: the one whose prefix is the committed sequence."""
