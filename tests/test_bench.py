@@ -234,3 +234,11 @@ def test_method_choice_reports_what_is_not_built_or_lacks_a_draft():
         choose_methods(["nope"], have_draft=True)
     with pytest.raises(ValueError, match="draft"):
         choose_methods(["plain"], have_draft=False, replay_alphas=(0.8,))
+
+
+def test_a_speculative_method_that_never_speculated_is_flagged():
+    from specdec.bench.output import did_not_speculate
+
+    overall = {"plain": {"cycles": 0}, "specdec-draft": {"cycles": 0, "decode_steps": 127},
+               "specdec-ngram": {"cycles": 40}, "hf-assisted": {}, "_step_times": {}}
+    assert did_not_speculate(overall) == ["specdec-draft"]

@@ -35,6 +35,7 @@ def sections(results: list[RequestResult], times: list[StepTimes], methods: list
     floor = notes.get("floor")
     return {"batch1": batch1, "concurrency": concurrency, "netem": netem,
             "goals": goals(batch1, concurrency, floor),
+            "did_not_speculate": did_not_speculate(batch1["overall"]),
             "floor": {"target": floor, "draft": notes.get("floor_draft")} if floor else None}
 
 
@@ -120,6 +121,9 @@ def tables(report: dict) -> str:
                      f"{_f(m.get('efficiency_cycle_mix')):>7} "
                      f"{_f(m.get('lossless_fraction'), '{:.0%}', 1):>8} "
                      f"{_f(m.get('pipeline_hit_rate'), '{:.0%}', 1):>8} {_overhead(m):>14}")
+    for name in did_not_speculate(overall):
+        lines.append(f"WARNING: {name} ran no speculative cycle: the coordinator decoded plainly (a refused or "
+                     "failing draft; see its log), so its row measures plain decoding")
     speculative = [n for n in overall if is_speculative(n) and overall[n].get("speedup") is not None]
     if speculative:
         lines.append("")
@@ -152,3 +156,11 @@ def tables(report: dict) -> str:
             lines.append(f"  {level} ms each way" + (f" (measured +{added:.2f} ms per round trip)" if added is not None
                                                      else "") + f": {row}")
     return "\n".join(lines)
+
+
+def did_not_speculate(overall: dict) -> list[str]:
+    """Speculative service methods whose requests ran no speculative cycle at all (their stats came
+    back with only plain decode steps): a draft the coordinator refused, or one failing throughout,
+    makes a speculative row silently measure plain decoding."""
+    return [n for n, m in overall.items() if not n.startswith("_") and is_service(n) and is_speculative(n)
+            and "cycles" in m and not m["cycles"]]
