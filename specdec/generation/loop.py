@@ -183,13 +183,8 @@ class SpeculativeLoop:
 
     async def _speculate(self, cursor: SessionCursor, k: int, stats: SpeculationStats) -> list[int] | None:
         started = time.perf_counter()
-        try:
-            with self.observer.step("propose"):
-                proposal = await self._propose(cursor, k)
-        except Exception as exc:  # a failing draft never fails a request
-            log.warning("draft failed for session %s, decoding plainly: %s", cursor.session_id, exc)
-            cursor.draft_ready = False
-            self.observer.fell_back(exc)
+        proposal = await self._propose_or_fall_back(cursor, k)
+        if proposal is None:
             return None
         drafted_at = time.perf_counter()
         stats.draft_seconds += drafted_at - started
@@ -208,6 +203,17 @@ class SpeculativeLoop:
         new_tokens = proposal.block.token_ids[: outcome.num_accepted].tolist() + [outcome.next_token]
         cursor.tokens.extend(new_tokens)
         return new_tokens
+
+    async def _propose_or_fall_back(self, cursor: SessionCursor, k: int):
+        """A proposal of k tokens, or None when the draft failed (the caller decodes plainly)."""
+        try:
+            with self.observer.step("propose"):
+                return await self._propose(cursor, k)
+        except Exception as exc:  # a failing draft never fails a request
+            log.warning("draft failed for session %s, decoding plainly: %s", cursor.session_id, exc)
+            cursor.draft_ready = False
+            self.observer.fell_back(exc)
+            return None
 
     async def _propose(self, cursor: SessionCursor, k: int):
         if not cursor.draft_ready:

@@ -102,13 +102,8 @@ class PipelinedDrafting:
         if proposal is not None and proposal.position != cursor.position:
             proposal = None  # something else was committed since (a plain step): the draft must catch up
         if proposal is None:
-            try:
-                with loop.observer.step("propose"):
-                    proposal = await loop._propose(cursor, k)
-            except Exception as exc:  # a failing draft never fails a request
-                log.warning("draft failed for session %s, decoding plainly: %s", cursor.session_id, exc)
-                cursor.draft_ready = False
-                loop.observer.fell_back(exc)
+            proposal = await loop._propose_or_fall_back(cursor, k)
+            if proposal is None:
                 return None
         drafted_at = time.perf_counter()
         stats.draft_seconds += drafted_at - started

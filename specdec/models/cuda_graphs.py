@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from specdec.models.llama import host_indices
+
 if TYPE_CHECKING:
     from specdec.models.llama import LlamaModel
 
@@ -171,21 +173,9 @@ class GraphRunner:
 
     def _host_inputs(self, shape: Shape, slots, token_ids, starts, lengths, num_logits) -> torch.Tensor:
         """The static buffer's contents, then the flat indices of the rows to score, on the host."""
-        B, T, rows = shape.rows, shape.width, len(slots)
-        kv_heads, ctx = self.model.config.num_kv_heads, self.model.cache.max_context
-        tokens = torch.zeros(B, T, dtype=torch.long)
-        positions = torch.zeros(B, T, dtype=torch.long)
-        write_pos = torch.full((B, T), ctx, dtype=torch.long)  # pads -> the scratch column
-        logit_rows: list[int] = []
-        for i, (row, start, n, k) in enumerate(zip(token_ids, starts, lengths, num_logits)):
-            tokens[i, :n] = torch.as_tensor(row, dtype=torch.long)
-            positions[i] = torch.arange(start, start + T).clamp_(max=start + n - 1)
-            write_pos[i, :n] = positions[i, :n]
-            logit_rows.extend(range(i * T + n - k, i * T + n))
-        slot_t = torch.zeros(B, dtype=torch.long)  # padded rows read slot 0 and write its scratch column
-        slot_t[:rows] = torch.as_tensor(slots, dtype=torch.long)
-        heads = torch.arange(kv_heads)
-        write_index = (slot_t[:, None, None] * kv_heads + heads) * (ctx + 1) + write_pos[:, :, None]
+        tokens, positions, write_index, slot_t, logit_rows = host_indices(
+            slots, token_ids, starts, lengths, num_logits, shape.rows, shape.width,
+            self.model.config.num_kv_heads, self.model.cache.max_context)
         return torch.cat((tokens.view(-1), positions.view(-1), write_index.view(-1), slot_t,
                           torch.tensor(logit_rows, dtype=torch.long)))
 

@@ -171,7 +171,7 @@ class LlamaModel:
             if ids is not None and len(ids):
                 extra = F.linear(h, source.index_select(0, ids.to(source.device))).float()  # [n, len(ids)]
                 logits = torch.cat((logits, extra), dim=-1)
-            out.append(logits.clone())
+            out.append(logits)
         return out
 
     @torch.inference_mode()
@@ -255,21 +255,8 @@ class LlamaModel:
         num_logits: list[int],
     ) -> _Batch:
         B, T = len(rows), max(lengths)
-        ctx = self.cache.max_context
-        kv_heads = self.config.num_kv_heads
-        tokens = torch.zeros(B, T, dtype=torch.long)
-        positions = torch.empty(B, T, dtype=torch.long)  # rope / mask position of every token
-        write_pos = torch.full((B, T), ctx, dtype=torch.long)  # cache column; pads -> scratch column
-        logit_rows: list[int] = []
-        for i, (row, start, n, k) in enumerate(zip(rows, starts, lengths, num_logits)):
-            tokens[i, :n] = torch.tensor(row, dtype=torch.long)
-            positions[i] = torch.arange(start, start + T).clamp_(max=start + n - 1)
-            write_pos[i, :n] = positions[i, :n]
-            logit_rows.extend(range(i * T + n - k, i * T + n))
-        slot_t = torch.tensor(slots, dtype=torch.long)
-        heads_t = torch.arange(kv_heads)
-        # Flat index of (slot, kv_head, column) in a layer's [slots, KV, ctx + 1, D] viewed as [-1, D].
-        write_index = (slot_t[:, None, None] * kv_heads + heads_t) * (ctx + 1) + write_pos[:, :, None]
+        tokens, positions, write_index, slot_t, logit_rows = host_indices(
+            slots, rows, starts, lengths, num_logits, B, T, self.config.num_kv_heads, self.cache.max_context)
         key_len = max(s + n for s, n in zip(starts, lengths))
         single_decode = B == 1 and T == 1
         fresh_prefill = B == 1 and starts[0] == 0
@@ -286,6 +273,30 @@ class LlamaModel:
             first_slot=slots[0], mask=None if mask is None else mask.to(dev),
             is_causal=fresh_prefill and T > 1, logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=dev),
         )
+
+
+def host_indices(
+    slots: Sequence[int], rows: Sequence[Sequence[int]], starts: Sequence[int], lengths: Sequence[int],
+    num_logits: Sequence[int], num_rows: int, width: int, kv_heads: int, ctx: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """The host-side indices of a forward over num_rows x width tokens (rows past len(rows) are padding:
+    token 0 at position 0 of slot 0, written to the scratch column like every pad). Returns tokens and
+    positions [num_rows, width], write_index [num_rows, width, kv_heads] (the flat index of (slot,
+    kv_head, column) in a layer's [slots, KV, ctx + 1, D] viewed as [-1, D]), the slots [num_rows] and
+    the flat indices of the tokens whose logits are returned."""
+    tokens = torch.zeros(num_rows, width, dtype=torch.long)
+    positions = torch.zeros(num_rows, width, dtype=torch.long)  # rope / mask position of every token
+    write_pos = torch.full((num_rows, width), ctx, dtype=torch.long)  # cache column; pads -> scratch column
+    logit_rows: list[int] = []
+    for i, (row, start, n, k) in enumerate(zip(rows, starts, lengths, num_logits)):
+        tokens[i, :n] = torch.as_tensor(row, dtype=torch.long)
+        positions[i] = torch.arange(start, start + width).clamp_(max=start + n - 1)
+        write_pos[i, :n] = positions[i, :n]
+        logit_rows.extend(range(i * width + n - k, i * width + n))
+    slot_t = torch.zeros(num_rows, dtype=torch.long)
+    slot_t[: len(slots)] = torch.as_tensor(slots, dtype=torch.long)
+    write_index = (slot_t[:, None, None] * kv_heads + torch.arange(kv_heads)) * (ctx + 1) + write_pos[:, :, None]
+    return tokens, positions, write_index, slot_t, logit_rows
 
 
 def default_max_context(max_position_embeddings: int) -> int:
