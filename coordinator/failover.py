@@ -191,10 +191,10 @@ class SessionDraft:
         await self._call(lambda c: c.start_session(session_id, token_ids, params))
 
     async def propose(self, session_id, keep_position, append_token_ids, num_draft_tokens, parent_epoch=0,
-                      speculative=False, alternatives=()):
+                      speculative=False, alternatives=(), stop_below=0.0):
         return await self._call(
             lambda c: c.propose(session_id, keep_position, append_token_ids, num_draft_tokens, parent_epoch,
-                                speculative, alternatives)
+                                speculative, alternatives, stop_below)
         )
 
     async def truncate(self, session_id: str, position: int) -> int:

@@ -14,6 +14,7 @@ One difference from LocalDraft: on the wire num_draft_tokens=0 means "the sessio
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -89,15 +90,18 @@ class DraftClient(ServiceClient):
         parent_epoch: int = 0,
         speculative: bool = False,
         alternatives: Sequence[str] = (),
+        stop_below: float = 0.0,
     ) -> Proposal:
         request = draft_pb2.DraftServiceProposeRequest(
             session_id=session_id, parent_epoch=parent_epoch, keep_position=keep_position,
             append_token_ids=list(append_token_ids), num_draft_tokens=num_draft_tokens, speculative=speculative,
-            alternatives=[_branch_kind(kind) for kind in alternatives],
+            alternatives=[_branch_kind(kind) for kind in alternatives], stop_below=stop_below,
         )
         response = await self._timed_call(self._stub.Propose, request, session_id, keep_position, parent_epoch)
         rows = response.draft_distributions if response.HasField("draft_distributions") else None
         block = unpack_distributions(rows, response.draft_token_ids)
+        if len(response.draft_confidences) == block.num_tokens > 0:  # anything else: no confidences
+            block = dataclasses.replace(block, confidences=tuple(response.draft_confidences))
         guess = response.guessed_token_id if response.HasField("guessed_token_id") else None
         branches = tuple(
             Proposal(b.epoch, b.position,

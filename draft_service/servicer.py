@@ -29,7 +29,7 @@ import grpc
 
 from specdec.engine.api import Proposal
 from specdec.engine.batcher import Batcher
-from specdec.engine.draft import DraftEngine
+from specdec.engine.draft import DraftEngine, check_stop_below
 from specdec.engine.draft_batch import ProposeWork, run_propose_batch
 from specdec.errors import (
     ContextOverflow,
@@ -156,10 +156,11 @@ class DraftServicer(EngineServicer, draft_pb2_grpc.DraftServiceServicer):
         appended = list(request.append_token_ids)
         self._check_tokens(appended, request.keep_position, "append_token_ids")
         alternatives = tuple(_branch_kind_from_proto(kind) for kind in request.alternatives)
+        stop_below = check_stop_below(request.stop_below)
         started = time.perf_counter()
         result, timing = await self.batcher.submit_timed(
             ProposeWork(request.session_id, request.keep_position, tuple(appended), k, request.parent_epoch,
-                        request.speculative, alternatives)
+                        request.speculative, alternatives, stop_below)
         )
         if isinstance(result, _Mismatch):
             trailing = ((ACTUAL_POSITION_KEY, str(result.length)), (LATEST_EPOCH_KEY, str(result.latest_epoch)),
@@ -174,7 +175,7 @@ class DraftServicer(EngineServicer, draft_pb2_grpc.DraftServiceServicer):
         response = draft_pb2.DraftServiceProposeResponse(
             epoch=result.epoch, parent_epoch=request.parent_epoch, position=result.position,
             draft_token_ids=result.block.token_ids.tolist(), proposer=result.proposer,
-            speculative=result.speculative,
+            speculative=result.speculative, draft_confidences=result.block.confidences,
         )
         if result.guessed_token_id is not None:
             response.guessed_token_id = result.guessed_token_id

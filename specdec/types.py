@@ -26,6 +26,10 @@ class DraftBlock:
     token_ids: torch.Tensor  # [k] int64
     draft_prob_ids: torch.Tensor | None = None  # [k, m] int64, -1 = padding
     draft_probs: torch.Tensor | None = None  # [k, m] float32, rows sum to 1 over the non-padded ids
+    # The draft's probability of each drafted token under the distribution it was drafted from (its
+    # confidence: what the coordinator's draft-length policy calibrates against acceptance). Empty:
+    # the proposer has none (n-gram lookup).
+    confidences: tuple[float, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -38,6 +42,8 @@ class DraftBlock:
             raise ValueError("draft_probs and draft_prob_ids must have the same [k, m] shape")
         if self.draft_probs is not None and self.draft_probs.shape[0] != self.token_ids.numel():
             raise ValueError("one sparse distribution per drafted token is required")
+        if self.confidences and len(self.confidences) != self.token_ids.numel():
+            raise ValueError("one confidence per drafted token is required (or none)")
 
     @staticmethod
     def empty() -> "DraftBlock":

@@ -9,7 +9,7 @@ import hashlib
 import pytest
 import torch
 
-from specdec.sampling.draft import pack_sparse, sample_draft_token
+from specdec.sampling.draft import draft_confidence, pack_sparse, sample_draft_token
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.verify import sample_next, verify_block
 from specdec.types import DraftBlock
@@ -63,20 +63,25 @@ def point_proposer(salt: str, vocab_size: int):
 
 
 def draft_block(draft_logits, prefix: tuple[int, ...], k: int, params: SamplingParams,
-                top_m: int = 0, proposer=None) -> DraftBlock:
+                top_m: int = 0, proposer=None, stop_below: float = 0.0) -> DraftBlock:
     """Draft k tokens after `prefix` (position len(prefix) onwards) with sample_draft_token, or
-    with a point-mass `proposer` when given."""
+    with a point-mass `proposer` when given. stop_below: stop after the token at which the product
+    of the draft's confidences falls below it (DraftModelProposer's dynamic draft length)."""
     tokens: list[int] = []
     rows = []
+    survival = 1.0
     for i in range(k):
         context = prefix + tuple(tokens)
         if proposer is not None:
             tokens.append(proposer(context))
             continue
-        token, ids, probs = sample_draft_token(draft_logits(context), params, len(prefix) + i,
-                                               top_m)
+        logits = draft_logits(context)
+        token, ids, probs = sample_draft_token(logits, params, len(prefix) + i, top_m)
         tokens.append(token)
         rows.append((ids, probs))
+        survival *= draft_confidence(logits, token, ids, probs, params.greedy)
+        if survival < stop_below:
+            break
     token_ids = torch.tensor(tokens, dtype=torch.long)
     if proposer is not None:
         return DraftBlock(token_ids)

@@ -167,6 +167,31 @@ async def test_proposals_carry_packed_sparse_distributions(services):
     assert not greedy.HasField("draft_distributions") and len(greedy.draft_token_ids) == 5  # point masses
 
 
+async def test_a_confidence_stop_shortens_the_draft_to_a_prefix_over_grpc(services, dirs):
+    """stop_below: the block ends at the first token whose confidence product falls below it, the
+    confidences travel with the block (one per token, equal to the in-process proposer's), and
+    the tokens are a prefix of the unstopped draft's."""
+    local = DraftEngine(DraftModelProposer(load_model(dirs["random"], backend="native", num_slots=2,
+                                                      max_context=CONTEXT), top_m=TOP_M))
+    prompt = PROMPTS[1]
+    local.start_session("local", prompt, GREEDY)
+    full = local.propose("local", len(prompt), [], 8).block
+    assert len(full.confidences) == 8 and all(0.0 < c <= 1.0 for c in full.confidences)
+    products = [1.0]
+    for confidence in full.confidences:
+        products.append(products[-1] * confidence)
+    stop_below = (products[2] + products[3]) / 2  # the product falls below it at the third token
+    async with connect_draft(services["random"].address, PLAIN) as draft:
+        await draft.start_session("stopped", prompt, GREEDY)
+        whole = (await draft.propose("stopped", len(prompt), [], 8)).block
+        stopped = (await draft.propose("stopped", len(prompt), [], 8, 1, stop_below=stop_below)).block
+        await draft.end_session("stopped")
+    assert whole.token_ids.tolist() == full.token_ids.tolist()
+    assert whole.confidences == pytest.approx(full.confidences, rel=1e-4)
+    assert stopped.token_ids.tolist() == full.token_ids.tolist()[:3]
+    assert stopped.confidences == pytest.approx(full.confidences[:3], rel=1e-4)
+
+
 # ---- epochs, positions, pipelining ------------------------------------------------------------------
 
 
@@ -332,6 +357,9 @@ BAD_INPUT = {
     "k-above-max": (("Propose", {"num_draft_tokens": 17}), Code.INVALID_ARGUMENT, "in [0, 16]"),
     "negative-k": (("Propose", {"num_draft_tokens": -1}), Code.INVALID_ARGUMENT, "in [0, 16]"),
     "append-out-of-vocab": (("Propose", {"append_token_ids": [999]}), Code.INVALID_ARGUMENT, "in [0, 256)"),
+    "stop-below-one": (("Propose", {"stop_below": 1.0}), Code.INVALID_ARGUMENT, "stop_below must be in [0, 1)"),
+    "stop-below-negative": (("Propose", {"stop_below": -0.5}), Code.INVALID_ARGUMENT, "stop_below must be in [0, 1)"),
+    "stop-below-nan": (("Propose", {"stop_below": float("nan")}), Code.INVALID_ARGUMENT, "got nan"),
     "unknown-session": (("Propose", {"session_id": "nobody"}), Code.NOT_FOUND, "'nobody' is unknown"),
     "truncate-to-zero": (("Truncate", {"position": 0}), Code.INVALID_ARGUMENT, "must be >= 1"),
 }

@@ -96,14 +96,14 @@ class _Oracle:
         return SENTINEL
 
 
-def _cycle_distribution(oracle, target, draft_logits, prefix, k, params, top_m, proposer):
+def _cycle_distribution(oracle, target, draft_logits, prefix, k, params, top_m, proposer, stop_below=0.0):
     """Exact distribution of the tokens one draft+verify cycle emits after `prefix`."""
     position = len(prefix)
     emitted = defaultdict(float)
 
     def run_draft(tape):
         oracle.tape, oracle.log = tape, []
-        block = draft_block(draft_logits, prefix, k, params, top_m, proposer)
+        block = draft_block(draft_logits, prefix, k, params, top_m, proposer, stop_below)
         assert oracle.log == [(Stream.DRAFT, position + i) for i in range(len(oracle.log))]
         return block
 
@@ -137,7 +137,7 @@ def _check_streams(log, outcome):
 
 
 def speculative_distribution(oracle, target, draft_logits, params, k, length, top_m=0,
-                             proposer=None):
+                             proposer=None, stop_below=0.0):
     """Probability of every `length`-token continuation of PROMPT under speculative decoding."""
 
     @functools.lru_cache(maxsize=None)
@@ -147,7 +147,7 @@ def speculative_distribution(oracle, target, draft_logits, params, k, length, to
             return {(): 1.0}
         result = defaultdict(float)
         cycle = _cycle_distribution(oracle, target, draft_logits, prefix, k, params, top_m,
-                                    proposer)
+                                    proposer, stop_below)
         for tokens, weight in cycle.items():
             tokens = tokens[:remaining]
             for rest, rest_weight in continuations(prefix + tokens).items():
@@ -214,6 +214,30 @@ def test_speculative_sequences_have_target_probabilities(monkeypatch, name, voca
     plain = plain_distribution(target, params, length)
     assert sum(speculative.values()) == pytest.approx(1.0, abs=1e-9)
     assert _max_difference(speculative, plain) < 1e-6
+
+
+@pytest.mark.parametrize("stop_below", [0.15, 0.4])
+@pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[7], CASES[12]], ids=lambda case: case[0])
+def test_a_draft_stopped_by_its_confidence_keeps_target_probabilities(monkeypatch, case, stop_below):
+    """Dynamic draft length (the draft stops once the product of its confidences falls below a
+    threshold): blocks of different lengths, and every emitted sequence still has exactly the
+    target's probability, because where the draft stops depends only on its own outputs."""
+    name, vocab, k, length, params, kind, top_m = case
+    oracle, target, draft_logits, proposer = _setup(monkeypatch, name, vocab, params, kind)
+    lengths = set()
+    original = draft_block
+
+    def recording(*args, **kwargs):
+        block = original(*args, **kwargs)
+        lengths.add(block.num_tokens)
+        return block
+
+    monkeypatch.setitem(globals(), "draft_block", recording)
+    speculative = speculative_distribution(oracle, target, draft_logits, params, k, length, top_m,
+                                           proposer, stop_below)
+    assert len(lengths) > 1, "the threshold must stop some drafts early and not others"
+    assert sum(speculative.values()) == pytest.approx(1.0, abs=1e-9)
+    assert _max_difference(speculative, plain_distribution(target, params, length)) < 1e-6
 
 
 def test_enumeration_detects_a_wrong_residual(monkeypatch):

@@ -77,9 +77,12 @@ class DraftAPI(Protocol):
         parent_epoch: int = 0,
         speculative: bool = False,
         alternatives: Sequence[str] = (),
+        stop_below: float = 0.0,
     ) -> Proposal:
         """Accept/rollback (keep the first keep_position tokens, append the target's tokens), then
         draft num_draft_tokens tokens with the exact distributions they were sampled from.
+        stop_below > 0: a proposer with confidences stops once their product falls below it (the
+        block's confidences say what they were; specdec.generation.adaptive chooses the value).
         speculative: keep the whole parent (keep_position = its end, nothing appended), guess the
         target's next token and draft after the guess (draft.proto, pipelining); alternatives: also
         draft these branches for other outcomes in the same pass (specdec.engine.alternatives)."""

@@ -49,6 +49,13 @@ class DraftSession(SessionState):
         return self.chain.latest_epoch
 
 
+def check_stop_below(stop_below: float) -> float:
+    """A Propose's confidence stop: a probability in [0, 1); 0 drafts the requested length."""
+    if not 0.0 <= stop_below < 1.0:  # also refuses NaN
+        raise InvalidArgument(f"stop_below must be in [0, 1) (0: no early stop), got {stop_below}")
+    return float(stop_below)
+
+
 class DraftEngine:
     def __init__(
         self,
@@ -88,11 +95,12 @@ class DraftEngine:
         parent_epoch: int = 0,
         speculative: bool = False,
         alternatives: Sequence[str] = (),
+        stop_below: float = 0.0,
     ) -> Proposal:
         from specdec.engine.draft_batch import ProposeWork, run_propose_batch  # it builds on this module
 
         work = ProposeWork(session_id, keep_position, tuple(append_token_ids), num_draft_tokens, parent_epoch,
-                           speculative, tuple(alternatives))
+                           speculative, tuple(alternatives), check_stop_below(stop_below))
         result = run_propose_batch(self, [work])[0]
         if isinstance(result, Exception):
             raise result

@@ -37,6 +37,7 @@ class ProposeWork:
     parent_epoch: int = 0
     speculative: bool = False
     alternatives: tuple[str, ...] = ()  # kinds of alternative branches (speculative only)
+    stop_below: float = 0.0  # confidence stop of the main block (DraftModelProposer.propose); 0: none
 
 
 Result = Union[Proposal, Exception]
@@ -62,7 +63,8 @@ def run_propose_batch(engine: DraftEngine, works: Sequence[ProposeWork]) -> list
             rows.append((index, state, None, (state.proposer_state, state.tokens)))
             rows += [(index, state, b, (branch.proposer_state, branch.tokens))
                      for b, branch in enumerate(state.pending.branches)]
-        blocks = draft_all(engine.proposer, [(proposer_state, tokens, _block_length(works[i], state, branch), state.params)
+        blocks = draft_all(engine.proposer, [(proposer_state, tokens, _block_length(works[i], state, branch), state.params,
+                                              works[i].stop_below if branch is None else 0.0)
                                              for i, state, branch, (proposer_state, tokens) in rows])
         by_item: dict[int, list] = {}
         for (index, state, branch, _), block in zip(rows, blocks):
@@ -132,14 +134,16 @@ def guess_all(proposer: Proposer, requests: Sequence[tuple], num_ranked: int) ->
 
 
 def draft_all(proposer: Proposer, requests: Sequence[tuple]) -> list[DraftBlock | Exception]:
-    """proposer.propose for each request (its arguments), batched where the proposer can."""
+    """proposer.propose for each request (its arguments, a fifth one being a confidence stop that
+    only a batching proposer takes: one without confidences cannot stop early), batched where the
+    proposer can."""
     batched = getattr(proposer, "propose_batch", None)
     if batched is not None:
         return batched(requests)
     blocks: list[DraftBlock | Exception] = []
     for request in requests:
         try:
-            blocks.append(proposer.propose(*request))
+            blocks.append(proposer.propose(*request[:4]))
         except Exception as exc:  # noqa: BLE001
             blocks.append(exc)
     return blocks

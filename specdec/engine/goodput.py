@@ -144,9 +144,11 @@ class DraftTrimmer:
 
 def prefix(draft: DraftBlock, length: int) -> DraftBlock:
     """The first `length` drafted tokens with their distributions: a shorter draft."""
+    confidences = draft.confidences[:length]
     if draft.draft_probs is None:
-        return DraftBlock(draft.token_ids[:length])
-    return DraftBlock(draft.token_ids[:length], draft.draft_prob_ids[:length], draft.draft_probs[:length])
+        return DraftBlock(draft.token_ids[:length], confidences=confidences)
+    return DraftBlock(draft.token_ids[:length], draft.draft_prob_ids[:length], draft.draft_probs[:length],
+                      confidences)
 
 
 def run_trimmed_batch(engine: TargetEngine, trimmer: DraftTrimmer, works: Sequence[Work]) -> list[Result]:

@@ -62,10 +62,11 @@ class LocalDraft:
         parent_epoch: int = 0,
         speculative: bool = False,
         alternatives: Sequence[str] = (),
+        stop_below: float = 0.0,
     ) -> Proposal:
         with model_time(DRAFT):
             return self.engine.propose(session_id, keep_position, append_token_ids, num_draft_tokens, parent_epoch,
-                                       speculative, alternatives)
+                                       speculative, alternatives, stop_below)
 
     async def truncate(self, session_id: str, position: int) -> int:
         return self.engine.truncate(session_id, position)

@@ -22,12 +22,18 @@ the benchmark (docs/BENCHMARKS.md):
   a separate running average per size: on a shared CPU one slow step made its size look dear
   for many cycles, and sizes measured at different loads were compared with each other.
 
+A draft model that reports its confidences also gets a per-block stop (confidence.py): the policy
+then asks for up to max_tokens and a confidence threshold below which the draft stops, so each block
+is as long as that block's own text pays for; best_k's choice only decides whether to speculate.
+
 Pure bookkeeping: no I/O, no clocks. The loop reports what each cycle cost.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from specdec.generation.confidence import ConfidenceCalibration
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -50,6 +56,7 @@ class DraftLengthPolicy:
     # False: a fixed draft length (the request named it); only the loaded target's trimming
     # shortens it, for probe_every cycles at a time (see limit()).
     adapt: bool = True
+    confidence_stop: bool = True  # adaptive only: stop each draft by its confidence (confidence.py)
     # Running estimates (exponentially weighted).
     _accepted: float = 0.0  # accepted draft tokens
     _trials: float = 0.0  # acceptance tests: accepted tokens + rejections
@@ -64,6 +71,8 @@ class DraftLengthPolicy:
     _current: int = 0
     _probe_interval: int = 0  # plain cycles between probes now: probe_every, longer under load
     _limited_for: int = 0  # fixed length: cycles drafted under a trimmed limit so far
+    _calibration: ConfidenceCalibration = field(default_factory=ConfidenceCalibration)
+    _best_rate: float | None = None  # tokens per second of best_k's choice
 
     def __post_init__(self) -> None:
         self._current = max(0, min(self.initial, self.max_tokens))
@@ -96,13 +105,31 @@ class DraftLengthPolicy:
                 self._plain_since_probe = 0
                 return max(1, min(self.initial, self.max_tokens))  # one probe cycle
             return 0
+        if self._stops_by_confidence():
+            return self.max_tokens  # the draft's confidence stop decides the length (stop_below)
         return self._current
 
+    def stop_below(self) -> float:
+        """The confidence product below which the next draft stops (0: draft next_k() tokens).
+        Drafting one more token costs a draft step and a verified token and adds survival * a
+        expected tokens: worth it while that beats the best rate, rate * cost / a."""
+        if not self._stops_by_confidence():
+            return 0.0
+        step = max(0.0, self.verify_cost(2) - self.verify_cost(1))
+        needed = self._best_rate * (self._draft_s + step) / max(self.acceptance, 1e-3)
+        return self._calibration.threshold(needed)
+
+    def _stops_by_confidence(self) -> bool:
+        return (self.adapt and self.confidence_stop and self._current > 0 and self._best_rate is not None
+                and self._draft_s is not None and self._calibration.blocks >= self.warmup_cycles)
+
     def observe_cycle(self, k: int, num_accepted: int, draft_s: float, verify_s: float,
-                      overhead_s: float = 0.0) -> None:
+                      overhead_s: float = 0.0, confidences: tuple[float, ...] = ()) -> None:
         """A speculative cycle: k tokens verified, num_accepted accepted; model seconds of the
-        draft (all k tokens) and of the verify, and the cycle's seconds outside the models."""
+        draft (all k tokens) and of the verify, and the cycle's seconds outside the models;
+        the draft's confidence in each verified token, if it has them."""
         rejected = 1 if num_accepted < k else 0
+        self._calibration.observe(tuple(confidences)[:k], num_accepted)
         if k > 0:  # the target verified a draft: the load lets speculation through again
             self._probe_interval = self.probe_every
         self._accepted = self.decay * self._accepted + num_accepted
@@ -155,6 +182,7 @@ class DraftLengthPolicy:
             rate = self.expected_tokens(k) / cost
             if rate > best_rate * 1.0001:  # ties go to the shorter draft
                 best_k, best_rate = k, rate
+        self._best_rate = best_rate
         return best_k
 
     def verify_cost(self, num_tokens: int) -> float:

@@ -113,7 +113,8 @@ class SpeculativeLoop:
         self.policy: DraftLengthPolicy | None = None
         # (outcome or None for a plain step, draft call seconds, target call seconds) of the cycle
         # running now, for the policy once the cycle's cost is known.
-        self._cycle_calls: tuple[VerifyOutcome | None, float, float, int] | None = None
+        # The proposal's size and its confidences too.
+        self._cycle_calls: tuple[VerifyOutcome | None, float, float, int, tuple[float, ...]] | None = None
         k = self.settings.num_draft_tokens
         if draft is not None and self.settings.adaptive:
             self.policy = DraftLengthPolicy(k, self.settings.max_draft_tokens)
@@ -163,14 +164,15 @@ class SpeculativeLoop:
         calls, self._cycle_calls = self._cycle_calls, None
         if self.policy is None or calls is None:
             return
-        outcome, draft_s, target_s, num_proposed = calls
+        outcome, draft_s, target_s, num_proposed, confidences = calls
         if cost.target_model_s > 0:
             draft_s, target_s = cost.draft_model_s, cost.target_model_s
         overhead_s = max(0.0, cost.wall_s - draft_s - target_s)
         if outcome is None:
             self.policy.observe_plain(target_s, overhead_s)
         else:
-            self.policy.observe_cycle(outcome.num_drafted, outcome.num_accepted, draft_s, target_s, overhead_s)
+            self.policy.observe_cycle(outcome.num_drafted, outcome.num_accepted, draft_s, target_s, overhead_s,
+                                      confidences)
             if outcome.num_drafted < num_proposed:  # the loaded target trimmed the draft
                 self.policy.limit(outcome.num_drafted)
 
@@ -198,7 +200,7 @@ class SpeculativeLoop:
                        draft_s: float, verify_s: float) -> list[int]:
         """Record a verify outcome and commit its tokens to the cursor; return them."""
         stats.record(outcome)
-        self._cycle_calls = (outcome, draft_s, verify_s, proposal.block.num_tokens)
+        self._cycle_calls = (outcome, draft_s, verify_s, proposal.block.num_tokens, proposal.block.confidences)
         self.observer.verified(outcome, proposal.proposer)
         new_tokens = proposal.block.token_ids[: outcome.num_accepted].tolist() + [outcome.next_token]
         cursor.tokens.extend(new_tokens)
@@ -226,8 +228,10 @@ class SpeculativeLoop:
             cursor.draft_epoch = 0
             cursor.draft_ready = True
         keep = self._common_prefix(cursor)
+        stop_below = self.policy.stop_below() if self.policy else 0.0
         proposal = await self.draft.propose(
-            cursor.session_id, keep, cursor.tokens[keep:], k, cursor.draft_epoch
+            cursor.session_id, keep, cursor.tokens[keep:], k, cursor.draft_epoch,
+            **({"stop_below": stop_below} if stop_below else {}),  # proposers without confidences: none
         )
         cursor.draft_tokens = cursor.tokens + proposal.block.token_ids.tolist()
         cursor.draft_committed = cursor.position
@@ -251,7 +255,7 @@ class SpeculativeLoop:
         elapsed = time.perf_counter() - started
         stats.decode_seconds += elapsed
         stats.decode_steps += 1
-        self._cycle_calls = (None, 0.0, elapsed, 0)
+        self._cycle_calls = (None, 0.0, elapsed, 0, ())
         cursor.tokens.extend(new_tokens)
         return new_tokens
 

@@ -152,9 +152,11 @@ class PipelinedDrafting:
         try:
             with self.loop.observer.step("propose_speculative"):
                 alternatives = self.alternatives
+                stop_below = self.loop.policy.stop_below() if self.loop.policy else 0.0
                 return await self.loop.draft.propose(
                     cursor.session_id, parent.position + parent.block.num_tokens, (), k, parent.epoch,
                     speculative=True, **({"alternatives": alternatives} if alternatives else {}),
+                    **({"stop_below": stop_below} if stop_below else {}),
                 )
         except Exception as exc:  # noqa: BLE001 - pipelining is an optimisation; the cycle goes on
             log.info("speculative draft failed for session %s: %s", cursor.session_id, exc)

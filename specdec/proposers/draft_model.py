@@ -16,7 +16,7 @@ from typing import Collection, Sequence
 from specdec.errors import CacheFull, InvalidArgument
 from specdec.models.base import CausalLM, ModelInfo
 from specdec.proposers.base import NextTokens
-from specdec.sampling.draft import pack_sparse, sample_draft_token
+from specdec.sampling.draft import draft_confidence, pack_sparse, sample_draft_token
 from specdec.sampling.params import SamplingParams
 from specdec.types import DraftBlock
 
@@ -35,7 +35,8 @@ class _DraftSlot:
     context_tensor: torch.Tensor | None = None
 
 
-ProposeRequest = tuple[_DraftSlot, Sequence[int], int, SamplingParams]  # propose()'s arguments
+# propose()'s arguments, optionally followed by stop_below (see propose()).
+ProposeRequest = tuple  # (_DraftSlot, Sequence[int], int, SamplingParams[, float])
 
 
 @dataclass
@@ -52,13 +53,30 @@ class _Drafting:
     sparse: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (ids [m], probs [m])
     num_ranked: int = 0  # rank_batch: how many of the first position's most likely tokens to keep
     ranked: list[int] = field(default_factory=list)
+    stop_below: float = 0.0  # stop once the product of the drafted tokens' confidences falls below
+    confidences: list[float] = field(default_factory=list)
+    survival: float = 1.0  # product of confidences so far
 
     def block(self) -> DraftBlock:
         token_ids = torch.tensor(self.drafted, dtype=torch.long)
+        confidences = tuple(self.confidences)
         if self.params.greedy:  # a greedy draft is a point mass: nothing to send
-            return DraftBlock(token_ids=token_ids)
+            return DraftBlock(token_ids=token_ids, confidences=confidences)
         prob_ids, draft_probs = pack_sparse(self.sparse)
-        return DraftBlock(token_ids=token_ids, draft_prob_ids=prob_ids, draft_probs=draft_probs)
+        return DraftBlock(token_ids=token_ids, draft_prob_ids=prob_ids, draft_probs=draft_probs,
+                          confidences=confidences)
+
+    def add(self, token: int, ids: torch.Tensor, probs: torch.Tensor, confidence: float) -> None:
+        """Record a drafted token; end the proposal early once its confidence product drops below
+        stop_below. Where to stop depends only on the draft's own tokens and distributions, never on
+        the target's, so verification stays exact: it verifies a shorter draft."""
+        self.drafted.append(token)
+        self.sparse.append((ids, probs))
+        self.confidences.append(confidence)
+        self.feed = [token]
+        self.survival *= confidence
+        if self.survival < self.stop_below:
+            self.num_tokens = len(self.drafted)
 
 
 class DraftModelProposer:
@@ -97,9 +115,13 @@ class DraftModelProposer:
             self.model.truncate(state.slot, length)
 
     def propose(
-        self, state: _DraftSlot, token_ids: Sequence[int], num_tokens: int, params: SamplingParams
+        self, state: _DraftSlot, token_ids: Sequence[int], num_tokens: int, params: SamplingParams,
+        stop_below: float = 0.0,
     ) -> DraftBlock:
-        result = self.propose_batch([(state, token_ids, num_tokens, params)])[0]
+        """Draft up to num_tokens tokens. stop_below > 0 ends the draft after the token at which the
+        product of the drafted tokens' confidences (the draft's probability of each) falls below it:
+        the coordinator's estimate that the rest would not pay (specdec.generation.adaptive)."""
+        result = self.propose_batch([(state, token_ids, num_tokens, params, stop_below)])[0]
         if isinstance(result, Exception):
             raise result
         return result
@@ -109,8 +131,7 @@ class DraftModelProposer:
         forward (proposals differ in length and position; each row is sampled with its own
         parameters at its own position), so the tokens and distributions are those of propose()
         one session at a time. Item i's block, or its own exception, is at index i."""
-        results = self._run([(state, token_ids, num_tokens, params, 0)
-                             for state, token_ids, num_tokens, params in requests])
+        results = self._run([(*request[:4], 0, request[4] if len(request) > 4 else 0.0) for request in requests])
         return [r if isinstance(r, Exception) else (r.block() if r is not None else DraftBlock.empty())
                 for r in results]
 
@@ -118,18 +139,19 @@ class DraftModelProposer:
                    num_ranked: int) -> list[NextTokens | None | Exception]:
         """For each (state, token_ids, params): the token propose(..., 1) would draft next and the
         num_ranked most likely ones by the draft's logits, in one batched forward. None: no room."""
-        results = self._run([(state, token_ids, 1, params, num_ranked) for state, token_ids, params in requests])
+        results = self._run([(state, token_ids, 1, params, num_ranked, 0.0) for state, token_ids, params in requests])
         return [r if r is None or isinstance(r, Exception) else NextTokens(r.drafted[0], tuple(r.ranked))
                 for r in results]
 
     def _run(self, requests: Sequence[tuple]) -> list[_Drafting | None | Exception]:
         results: list[_Drafting | None | Exception] = [None] * len(requests)
         pending = []
-        for index, (state, token_ids, num_tokens, params, num_ranked) in enumerate(requests):
+        for index, (state, token_ids, num_tokens, params, num_ranked, stop_below) in enumerate(requests):
             # The last drafted token needs no forward, hence the + 1: room for len + num_tokens - 1.
             num_tokens = min(num_tokens, self.model.info.max_context - len(token_ids) + 1)
             if num_tokens > 0 and token_ids:
-                pending.append(_Drafting(index, state, token_ids, num_tokens, params, num_ranked=num_ranked))
+                pending.append(_Drafting(index, state, token_ids, num_tokens, params, num_ranked=num_ranked,
+                                         stop_below=stop_below))
         while pending:
             pending = self._draft_round(pending, results)
         return results
@@ -191,6 +213,8 @@ class DraftModelProposer:
             d.feed = list(d.token_ids[cached:])
         for _ in range(max(d.num_tokens for d in rows)):
             active = [d for d in rows if len(d.drafted) < d.num_tokens]
+            if not active:  # every row stopped early on its confidence
+                break
             extra = [self._context_ids(d) for d in active] if self._head is not None else None
             logits = self.model.forward([d.state.slot for d in active], [d.feed for d in active],
                                         [1] * len(active), **({} if extra is None else {"extra_head_ids": extra}))
@@ -200,9 +224,7 @@ class DraftModelProposer:
                 token, ids, probs = sample_draft_token(full, d.params, position, self.top_m)
                 if d.num_ranked and not d.drafted:
                     d.ranked = torch.topk(full, min(d.num_ranked, full.numel())).indices.tolist()
-                d.drafted.append(token)
-                d.sparse.append((ids, probs))
-                d.feed = [token]
+                d.add(token, ids, probs, draft_confidence(row_logits[-1], token, ids, probs, d.params.greedy))
 
     def _full_vocab(self, logits: torch.Tensor, context_ids: torch.Tensor | None) -> torch.Tensor:
         """A reduced head scores only its own ids and the session's context ids; every other token
@@ -251,3 +273,4 @@ class DraftModelProposer:
                     raise
                 self.model.free(victim.slot)
                 victim.slot = None
+

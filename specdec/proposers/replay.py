@@ -48,7 +48,10 @@ class ReplayProposer(DraftModelProposer):
 
     def propose_batch(self, requests: Sequence) -> list[DraftBlock | Exception]:
         """The draft model's own proposals (its real forward passes), then each token replaced by
-        the replayed one. requests are propose()'s arguments: (state, token_ids, num_tokens, params)."""
+        the replayed one. requests are propose()'s arguments: (state, token_ids, num_tokens, params).
+        No confidence stop and no confidences: the draft's own are not those of the replayed tokens,
+        whose acceptance the benchmark sets."""
+        requests = [tuple(request[:4]) for request in requests]
         results = super().propose_batch(requests)
         replayed: list[DraftBlock | Exception] = []
         for (state, token_ids, _, _), block in zip(requests, results):

@@ -46,6 +46,17 @@ def sample_draft_token(
     return token, ids, draft_probs
 
 
+def draft_confidence(draft_logits: torch.Tensor, token: int, ids: torch.Tensor, probs: torch.Tensor,
+                     greedy: bool) -> float:
+    """The draft's probability of the token it drafted (sample_draft_token's returns): for a greedy
+    draft, sent as a point mass, the softmax of its logits at the argmax, 1 / sum(exp(logits - max));
+    otherwise the token's entry in the distribution it was sampled from."""
+    if greedy:
+        logits = draft_logits.float()
+        return float(1.0 / torch.exp(logits - logits.max()).sum())
+    return float(probs[ids == token].sum())
+
+
 def _sparse_support(
     probs: torch.Tensor, top_m: int  # probs: [vocab] float32
 ) -> tuple[torch.Tensor, torch.Tensor]:
