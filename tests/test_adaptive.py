@@ -158,3 +158,35 @@ def test_a_longer_verify_never_looks_cheaper_than_a_shorter_one():
     single = ForwardCost()
     single.observe(5, 0.050)  # one size only: 5% of a step per extra token
     assert single.cost(9) == pytest.approx(0.050 * (1 + 0.05 * 4))
+
+
+def test_three_unlucky_cycles_do_not_switch_a_cheap_draft_off_but_many_do():
+    """Switching off ends the measurements that could switch speculation on again, so the rule is
+    optimistic by about a standard error of the measured acceptance: three rejected first cycles
+    (a hard opening) keep drafting, a long run of rejections does not."""
+    policy = DraftLengthPolicy(initial=4, max_tokens=8)
+    policy.observe_plain(0.040)
+    feed(policy, 3, 4, 0, draft_s=0.004, verify_s=0.048)
+    assert policy.next_k() > 0
+    pessimist = DraftLengthPolicy(initial=4, max_tokens=8, optimism=0.0)
+    pessimist.observe_plain(0.040)
+    feed(pessimist, 3, 4, 0, draft_s=0.004, verify_s=0.048)
+    assert pessimist.next_k() == 0
+    for _ in range(60):
+        feed(policy, 1, max(policy.next_k(), 1), 0, draft_s=0.004, verify_s=0.048)
+    assert policy.next_k() == 0
+
+
+def test_while_off_old_evidence_fades_and_a_good_probe_switches_speculation_on():
+    policy = DraftLengthPolicy(initial=4, max_tokens=8, probe_every=16)
+    policy.observe_plain(0.040)
+    for _ in range(60):
+        feed(policy, 1, 4, 0, draft_s=0.004, verify_s=0.048)
+    assert policy.next_k() == 0
+    evidence_before = policy._evidence
+    for _ in range(16):
+        policy.observe_plain(0.040)
+    assert policy._evidence < 0.2 * evidence_before  # how sure the old estimate was is mostly forgotten
+    assert policy.next_k() == 4  # the probe
+    feed(policy, 1, 4, 3, draft_s=0.004, verify_s=0.048)  # the text became predictable
+    assert policy.next_k() > 0

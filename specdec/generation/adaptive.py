@@ -53,6 +53,8 @@ class DraftLengthPolicy:
     probe_every: int = 16  # plain cycles between re-probes once speculation is off
     prior_acceptance: float = 0.5
     prior_trials: float = 2.0  # pseudo-trials: two lucky cycles don't mean a = 1
+    optimism: float = 0.5  # standard errors of acceptance granted before speculation is switched off
+    evidence_decay: float = 0.98  # per cycle, for how sure the acceptance estimate is (_optimism)
     # False: a fixed draft length (the request named it); only the loaded target's trimming
     # shortens it, for probe_every cycles at a time (see limit()).
     adapt: bool = True
@@ -60,6 +62,7 @@ class DraftLengthPolicy:
     # Running estimates (exponentially weighted).
     _accepted: float = 0.0  # accepted draft tokens
     _trials: float = 0.0  # acceptance tests: accepted tokens + rejections
+    _evidence: float = 0.0  # the same, fading more slowly: how sure the estimate is
     _tested: list[float] = field(default_factory=list)  # [j]: cycles whose draft token j was tested
     _passed: list[float] = field(default_factory=list)  # [j]: ... and accepted
     _draft_s: float | None = None  # model seconds per drafted token
@@ -90,11 +93,12 @@ class DraftLengthPolicy:
         passed = self._passed[j] if j < len(self._passed) else 0.0
         return (passed + self.prior_trials * self.acceptance) / (tested + self.prior_trials)
 
-    def expected_tokens(self, k: int) -> float:
-        """E(k) = 1 + sum over j < k of P(tokens 0..j all accepted), from the per-position rates."""
+    def expected_tokens(self, k: int, bonus: float = 0.0) -> float:
+        """E(k) = 1 + sum over j < k of P(tokens 0..j all accepted), from the per-position rates
+        (each raised by `bonus`, at most to 1)."""
         total, survive = 1.0, 1.0
         for j in range(k):
-            survive *= self.position_acceptance(j)
+            survive *= min(1.0, self.position_acceptance(j) + bonus)
             total += survive
         return total
 
@@ -134,6 +138,7 @@ class DraftLengthPolicy:
             self._probe_interval = self.probe_every
         self._accepted = self.decay * self._accepted + num_accepted
         self._trials = self.decay * self._trials + num_accepted + rejected
+        self._evidence = self.evidence_decay * self._evidence + num_accepted + rejected
         self._observe_positions(k, num_accepted)
         if k > 0:
             self._draft_s = self._ewma(self._draft_s, draft_s / k)
@@ -159,6 +164,8 @@ class DraftLengthPolicy:
         self._forward.observe(1, step_s)
         self._plain_overhead_s = self._ewma(self._plain_overhead_s, overhead_s)
         self._plain_since_probe += 1
+        if self._current == 0 and self.adapt:  # off: the acceptance measured earlier grows stale
+            self._evidence *= self.decay
 
     def _restore_fixed_length(self) -> None:
         """A fixed length cut by the target's trimming is tried in full again after probe_every
@@ -171,19 +178,35 @@ class DraftLengthPolicy:
             self._current = min(self.initial, self.max_tokens)
 
     def best_k(self) -> int:
-        """argmax over k in [0, max_tokens] of E(k) / cost(k); 0 wins when drafting doesn't pay."""
+        """argmax over k in [0, max_tokens] of E(k) / cost(k); 0 wins when drafting doesn't pay,
+        judged optimistically (_optimism): switching off stops the measurements that could switch
+        it on again, so a few unlucky cycles must not be enough."""
         plain = self._plain_cost()
         if plain is None or self._draft_s is None:
             return self._current
-        speculative_overhead = self._speculative_overhead_s or 0.0
-        best_k, best_rate = 0, 1.0 / plain
-        for k in range(1, self.max_tokens + 1):
-            cost = k * self._draft_s + self.verify_cost(k + 1) + speculative_overhead
-            rate = self.expected_tokens(k) / cost
-            if rate > best_rate * 1.0001:  # ties go to the shorter draft
-                best_k, best_rate = k, rate
+        best_k, best_rate = self._best(1.0 / plain, bonus=0.0)
+        if best_k == 0:
+            best_k, _ = self._best(1.0 / plain, bonus=self._optimism())
         self._best_rate = best_rate
         return best_k
+
+    def _best(self, plain_rate: float, bonus: float) -> tuple[int, float]:
+        """(k, tokens per second) of the best draft length, acceptance raised by `bonus`."""
+        speculative_overhead = self._speculative_overhead_s or 0.0
+        best_k, best_rate = 0, plain_rate
+        for k in range(1, self.max_tokens + 1):
+            cost = k * self._draft_s + self.verify_cost(k + 1) + speculative_overhead
+            rate = self.expected_tokens(k, bonus) / cost
+            if rate > best_rate * 1.0001:  # ties go to the shorter draft
+                best_k, best_rate = k, rate
+        return best_k, best_rate
+
+    def _optimism(self) -> float:
+        """An upper-confidence bonus on the acceptance rate: `optimism` standard errors of a rate
+        measured on the trials so far (the evidence, which fades slowly). Large after a few
+        cycles, small after many; it grows back while speculation is off (observe_plain forgets),
+        so probes switch it on again unless acceptance really is too low."""
+        return self.optimism * (0.25 / (self._evidence + self.prior_trials)) ** 0.5
 
     def verify_cost(self, num_tokens: int) -> float:
         """Target model seconds of a forward that verifies num_tokens (1: a plain step)."""
