@@ -12,7 +12,7 @@ onednn = pytest.mark.skipif(not isinstance(choose_linear(torch.device("cpu"), to
 
 
 @onednn
-@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5])  # 2: padded to 4 rows on oneDNN
 def test_kernels_agree_for_one_and_several_rows(rows):
     g = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(48, 32, generator=g), torch.randn(48, generator=g)
@@ -20,6 +20,7 @@ def test_kernels_agree_for_one_and_several_rows(rows):
     expected = x @ weight.T
     for kernel in (DenseLinear(), OneDnnLinear(), HybridLinear()):
         w = kernel.prepare(weight)
+        assert kernel(x, w).shape == (rows, 48) and kernel.add(residual, x, w).shape == (rows, 48)
         torch.testing.assert_close(kernel(x, w), expected, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(kernel(x, w, bias), expected + bias, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(kernel.add(residual, x, w), residual + expected, rtol=1e-5, atol=1e-5)
