@@ -190,3 +190,24 @@ def test_while_off_old_evidence_fades_and_a_good_probe_switches_speculation_on()
     assert policy.next_k() == 4  # the probe
     feed(policy, 1, 4, 3, draft_s=0.004, verify_s=0.048)  # the text became predictable
     assert policy.next_k() > 0
+
+
+def test_plain_decoding_is_measured_after_the_warm_up_and_now_and_then():
+    """Speculation is judged against what a plain step costs now (under concurrency: queueing behind
+    other sessions included), so the policy decodes one step plainly after its warm-up and one every
+    explore_plain_every cycles; a fixed draft length never does."""
+    policy = DraftLengthPolicy(initial=4, max_tokens=8, explore_plain_every=10)
+    fixed = DraftLengthPolicy(initial=4, max_tokens=4, adapt=False)
+    ks = []
+    for _ in range(30):
+        k = policy.next_k()
+        ks.append(k)
+        if k == 0:
+            policy.observe_plain(0.040, 0.002)
+        else:
+            policy.observe_cycle(k, k - 1, 0.002 * k, 0.044, 0.004)
+        assert fixed.next_k() == 4
+        fixed.observe_cycle(4, 3, 0.008, 0.044, 0.004)
+    plain_steps = [i for i, k in enumerate(ks) if k == 0]
+    assert plain_steps[0] == 3 and len(plain_steps) == 3  # after 3 warm-up cycles, then every 10 cycles
+    assert all(b - a == 11 for a, b in zip(plain_steps, plain_steps[1:]))

@@ -55,6 +55,7 @@ class DraftLengthPolicy:
     prior_trials: float = 2.0  # pseudo-trials: two lucky cycles don't mean a = 1
     optimism: float = 0.5  # standard errors of acceptance granted before speculation is switched off
     evidence_decay: float = 0.98  # per cycle, for how sure the acceptance estimate is (_optimism)
+    explore_plain_every: int = 64  # speculative cycles between plain steps that re-measure plain decoding
     # False: a fixed draft length (the request named it); only the loaded target's trimming
     # shortens it, for probe_every cycles at a time (see limit()).
     adapt: bool = True
@@ -70,6 +71,8 @@ class DraftLengthPolicy:
     _speculative_overhead_s: float | None = None  # per speculative cycle, outside the models
     _plain_overhead_s: float | None = None  # per plain cycle, outside the model
     _cycles: int = 0
+    _since_plain: int = 0  # speculative cycles since the last plain step
+    _plain_seen: bool = False
     _plain_since_probe: int = 0
     _current: int = 0
     _probe_interval: int = 0  # plain cycles between probes now: probe_every, longer under load
@@ -109,6 +112,12 @@ class DraftLengthPolicy:
                 self._plain_since_probe = 0
                 return max(1, min(self.initial, self.max_tokens))  # one probe cycle
             return 0
+        if self.adapt and self._since_plain >= (self.explore_plain_every if self._plain_seen else self.warmup_cycles):
+            # What a plain step costs now, queueing behind other sessions included, is what speculation
+            # is measured against; before any was seen it is a guess (_plain_cost). One plain step
+            # after the warm-up, and one every explore_plain_every cycles as the load changes.
+            self._since_plain = 0
+            return 0
         if self._stops_by_confidence():
             return self.max_tokens  # the draft's confidence stop decides the length (stop_below)
         return self._current
@@ -145,6 +154,7 @@ class DraftLengthPolicy:
         self._forward.observe(k + 1, verify_s)
         self._speculative_overhead_s = self._ewma(self._speculative_overhead_s, overhead_s)
         self._cycles += 1
+        self._since_plain += 1
         if not self.adapt:
             self._restore_fixed_length()
         elif self._cycles >= self.warmup_cycles:
@@ -161,6 +171,7 @@ class DraftLengthPolicy:
             self._probe_interval = min(2 * self._probe_interval, 16 * self.probe_every)
 
     def observe_plain(self, step_s: float, overhead_s: float = 0.0) -> None:
+        self._plain_seen, self._since_plain = True, 0
         self._forward.observe(1, step_s)
         self._plain_overhead_s = self._ewma(self._plain_overhead_s, overhead_s)
         self._plain_since_probe += 1
