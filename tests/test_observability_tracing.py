@@ -203,3 +203,42 @@ def test_a_model_service_traces_its_calls_only_when_its_spans_go_somewhere(monke
     traced = ServiceHost(settings, lambda server: [])._interceptors()
     assert [type(i) for i in untraced] == [ErrorMappingInterceptor]
     assert len(traced) == 2 and isinstance(traced[-1], ErrorMappingInterceptor)
+
+
+async def test_a_client_whose_spans_go_nowhere_records_none_but_still_propagates_the_context(monkeypatch):
+    """A coordinator without an exporter skips its client spans (per-cycle overhead, issue 6); the
+    services it calls, exporting, still continue the trace it serves."""
+    from opentelemetry import trace
+
+    from specdec.observability.tracing import (
+        PropagateContextInterceptor,
+        PropagateStreamContextInterceptor,
+        client_interceptors,
+    )
+
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
+    quiet = setup_tracing("test-coordinator", 1.0)
+    assert [type(i) for i in client_interceptors(quiet)] == [PropagateContextInterceptor,
+                                                             PropagateStreamContextInterceptor]
+    server_spans = InMemorySpanExporter()
+    server_provider = setup_tracing("test-target", 1.0, server_spans)
+    executor = ModelExecutor()
+    settings = ServerSettings(port=0, plaintext=True, grace_period_s=0.0)
+    register = traced_service(server_provider.get_tracer("target"), executor)
+    host = ServiceHost(settings, register, tracer_provider=server_provider, on_shutdown=executor.aclose)
+    await host.start()
+    client = ClientSettings(plaintext=True, timeout_s=5.0)
+    async with create_channel(f"127.0.0.1:{host.port}", client, tracer_provider=quiet) as channel:
+        await channel.unary_unary(f"/{SERVICE}/Step")(b"x")  # no current span: a trace of its own
+        with quiet.get_tracer("coordinator").start_as_current_span("request") as request_span:
+            assert await channel.unary_unary(f"/{SERVICE}/Step")(b"y", metadata=(("k", "v"),)) == b"y"
+            assert [m async for m in channel.unary_stream(f"/{SERVICE}/Stream")(b"")] == [b"\0", b"\1"]
+        assert trace.get_current_span() is trace.INVALID_SPAN
+    await host.shutdown()
+
+    steps = [s for s in server_spans.get_finished_spans() if s.name == f"/{SERVICE}/Step"]
+    stream = next(s for s in server_spans.get_finished_spans() if s.name == f"/{SERVICE}/Stream")
+    context = request_span.get_span_context()
+    assert steps[0].parent is None and steps[0].context.trace_id != context.trace_id
+    assert steps[1].parent.span_id == context.span_id and steps[1].parent.is_remote  # no client span between
+    assert stream.parent.span_id == context.span_id

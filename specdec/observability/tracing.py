@@ -15,6 +15,8 @@ from __future__ import annotations
 import logging
 import os
 
+import grpc.aio
+from opentelemetry.propagate import inject
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import (
@@ -105,7 +107,37 @@ def server_interceptor(tracer_provider=None):
 
 def client_interceptors(tracer_provider=None) -> list:
     """grpc.aio client interceptors: a CLIENT span per call and the current context injected as
-    W3C traceparent metadata, so the server span becomes its child."""
+    W3C traceparent metadata, so the server span becomes its child. When `tracer_provider` exports
+    nothing, only the injection: a client span that goes nowhere costs about 0.2 ms a call (two
+    calls a speculative cycle), while the caller's context must still reach services that export."""
+    if not exports_spans(tracer_provider):
+        return [PropagateContextInterceptor(), PropagateStreamContextInterceptor()]
     from opentelemetry.instrumentation.grpc import aio_client_interceptors
 
     return aio_client_interceptors(tracer_provider=tracer_provider, filter_=_traced_filter())
+
+
+def _with_context(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+    """`details` with the current trace context added to its metadata as W3C traceparent."""
+    carrier: dict[str, str] = {}
+    inject(carrier)
+    if not carrier:  # no current span: nothing to continue
+        return details
+    metadata = grpc.aio.Metadata(*tuple(details.metadata or ()), *carrier.items())
+    return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials,
+                                      details.wait_for_ready)
+
+
+# Two classes: a grpc.aio channel files an interceptor under the first call kind it subclasses only.
+class PropagateContextInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
+    """Injects the current trace context as W3C traceparent metadata, recording no span."""
+
+    async def intercept_unary_unary(self, continuation, client_call_details, request):
+        return await continuation(_with_context(client_call_details), request)
+
+
+class PropagateStreamContextInterceptor(grpc.aio.UnaryStreamClientInterceptor):
+    """PropagateContextInterceptor for calls with streamed responses."""
+
+    async def intercept_unary_stream(self, continuation, client_call_details, request):
+        return await continuation(_with_context(client_call_details), request)

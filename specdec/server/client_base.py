@@ -106,8 +106,8 @@ class ServiceClient:
                 tracer_provider=None, trace: bool = True, **options: Any) -> C:
         """A client on a new channel: TLS or mutual TLS per `settings` (plaintext only when it says
         so), its bearer token as call credentials, keepalive, message size limit, settings.timeout_s
-        as every call's deadline, and OpenTelemetry client spans with W3C trace-context propagation.
-        `options` go to the subclass's constructor."""
+        as every call's deadline, and W3C trace-context propagation with OpenTelemetry client spans
+        (spans only when `tracer_provider` exports them). `options` go to the subclass's constructor."""
         channel = create_channel(address, settings, tracer_provider=tracer_provider, trace=trace)
         return cls(channel, timeout_s=settings.timeout_s, metadata=metadata, **options)
 

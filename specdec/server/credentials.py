@@ -108,7 +108,8 @@ def create_channel(
     trace: bool = True,
 ) -> grpc.aio.Channel:
     """An asyncio channel with TLS per `client`, keepalive, message limits, default deadline and
-    (unless trace=False) OpenTelemetry spans plus W3C trace-context propagation on every call."""
+    (unless trace=False) W3C trace-context propagation on every call, with an OpenTelemetry client
+    span when `tracer_provider` exports spans."""
     chain: list[grpc.aio.ClientInterceptor] = [DefaultTimeoutInterceptor(client.timeout_s)]
     if trace:
         from specdec.observability.tracing import client_interceptors
