@@ -59,8 +59,9 @@ class GraphStats:
 class StaticForward:
     """One shape's static input buffer and output, and its captured graph (None: run it eagerly)."""
 
-    def __init__(self, model: "LlamaModel", shape: Shape):
+    def __init__(self, model: "LlamaModel", shape: Shape, layers=None):
         self.model, self.shape = model, shape
+        self.layers = layers or model._layers  # (x [B * T, hidden], _Batch) -> x: the layer stack
         B, T = shape.rows, shape.width
         kv_heads = model.config.num_kv_heads
         self.num_static = (2 + kv_heads) * B * T + B
@@ -87,7 +88,7 @@ class StaticForward:
             cos=m._cos[positions][:, None], sin=m._sin[positions][:, None], write_index=self.write_index,
             slot_index=self.slot_index, first_slot=0, mask=mask, is_causal=False, logit_rows=None,
         )
-        x = m._layers(F.embedding(self.tokens, m.weights.embed), batch)
+        x = self.layers(F.embedding(self.tokens, m.weights.embed), batch)
         return m._norm(x, m.weights.final_norm)
 
     def capture(self, pool) -> None:
@@ -123,10 +124,18 @@ class StaticForward:
 
 class GraphRunner:
     """Routes a forward to the StaticForward of its bucket (captured lazily on first use), or returns
-    None so that the caller runs it eagerly. capture=False runs the static path without graphs."""
+    None so that the caller runs it eagerly. capture=False runs the static path without graphs.
+    compile_layers: the layer stack of compiled_layers.py, compiled with torch.compile where graphs are
+    captured (its first use of a token count compiles, inside the capture's warm-up), run uncompiled
+    otherwise."""
 
-    def __init__(self, model: "LlamaModel", capture: bool):
+    def __init__(self, model: "LlamaModel", capture: bool, compile_layers: bool = False):
         self.model, self.capture = model, capture
+        self.layers = None
+        if compile_layers:
+            from specdec.models.compiled_layers import CompiledLayers
+
+            self.layers = CompiledLayers(model, compile=capture)
         self.forwards: dict[Shape, StaticForward] = {}
         self.stats = GraphStats()
         ctx = model.cache.max_context
@@ -161,7 +170,7 @@ class GraphRunner:
         return hidden.index_select(0, logit_rows)
 
     def _build(self, shape: Shape) -> StaticForward:
-        static = StaticForward(self.model, shape)
+        static = StaticForward(self.model, shape, self.layers)
         if self.capture:
             started = time.perf_counter()
             static.capture(self.pool)

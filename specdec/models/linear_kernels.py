@@ -40,6 +40,23 @@ class DenseLinear:
         return torch.addmm(residual, x, w)
 
 
+class DenseNTLinear:
+    """y = x @ w.T with w kept as loaded ([out, in], F.linear's and gpt-fast's layout). On CUDA the
+    compiled static layers (compiled_layers.py) turn a one-row product on this layout into a reduction
+    along contiguous memory; the eager kernels time the same as DenseLinear's."""
+
+    name = "dense-nt"
+
+    def prepare(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight.contiguous()
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.nn.functional.linear(x, w, bias)
+
+    def add(self, residual: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.addmm(residual, x, w.t())
+
+
 class OneDnnLinear:
     """oneDNN linear on weights reordered once into its blocked layout (what torch.compile's CPU
     freezing pass does); the residual add rides along as a fused binary post-op."""
@@ -103,8 +120,8 @@ class HybridLinear:
         return self._onednn.add(residual, x, w.packed)
 
 
-Linear = DenseLinear | OneDnnLinear | HybridLinear
-KERNELS = ("auto", "dense", "onednn", "hybrid")
+Linear = DenseLinear | DenseNTLinear | OneDnnLinear | HybridLinear
+KERNELS = ("auto", "dense", "dense-nt", "onednn", "hybrid")
 
 
 def choose_linear(device: torch.device, dtype: torch.dtype, prefer: str = "auto") -> Linear:
@@ -114,6 +131,8 @@ def choose_linear(device: torch.device, dtype: torch.dtype, prefer: str = "auto"
         raise ValueError(f"linear kernel {prefer!r} is unknown; choose one of {KERNELS}")
     if prefer == "dense":
         return DenseLinear()
+    if prefer == "dense-nt":
+        return DenseNTLinear()
     usable = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and _onednn_works(dtype)
     if prefer in ("onednn", "hybrid") and not usable:
         raise ValueError(f"the oneDNN linear is not usable here ({device}, {dtype}); use 'dense' or 'auto'")

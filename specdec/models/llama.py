@@ -58,11 +58,15 @@ class LlamaModel:
 
     path: a Hugging Face directory (config.json + safetensors). max_context: tokens per slot (default:
     the model's limit capped at 2048). The pool is num_slots slots, or as many as kv_budget_bytes holds.
-    linear_kernel: "auto" | "dense" | "onednn" (see linear_kernels.py; "auto" is right outside benchmarks).
+    linear_kernel: "auto" | "dense" | "dense-nt" | "onednn" | "hybrid" (see linear_kernels.py; "auto" is
+    right outside benchmarks).
     head_token_ids: a reduced output head (a draft's most frequent tokens): logits then cover only
     these ids, in this order; inputs still take the whole vocabulary.
     cuda_graphs: decode and verify shapes through the static-shape forward of cuda_graphs.py, captured
     as CUDA graphs on a CUDA device (on a CPU the static path runs uncaptured: tests use that).
+    compile_layers (with cuda_graphs): the static path's layers as torch.compile'd pieces
+    (compiled_layers.py), compiled on a CUDA device on each token count's first use; on a CPU the
+    same pieces run uncompiled. Off by default: each new token count costs a compilation.
     """
 
     def __init__(
@@ -77,6 +81,7 @@ class LlamaModel:
         linear_kernel: str = "auto",
         head_token_ids: torch.Tensor | None = None,
         cuda_graphs: bool = False,
+        compile_layers: bool = False,
     ):
         if dtype not in DTYPES:
             raise InvalidArgument(f"dtype {dtype!r} is not supported; choose one of {sorted(DTYPES)}")
@@ -86,6 +91,10 @@ class LlamaModel:
         cfg.check_context(max_context)
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
+        if compile_layers and self.device.type == "cuda" and linear_kernel == "auto":
+            # The compiled one-row products stream [out, in] weights at ~90% of copy bandwidth, [in, out]
+            # ones at ~70% (scripts/bench_gpu_step.py, H200).
+            linear_kernel = "dense-nt"
         self.linear = choose_linear(self.device, self.dtype, linear_kernel)
         self.head_token_ids = head_token_ids
         self.weights = load_weights(path, cfg, self.dtype, self.device, self.linear, head_token_ids)
@@ -107,7 +116,7 @@ class LlamaModel:
         if cuda_graphs:
             from specdec.models.cuda_graphs import GraphRunner
 
-            self.graphs = GraphRunner(self, capture=self.device.type == "cuda")
+            self.graphs = GraphRunner(self, capture=self.device.type == "cuda", compile_layers=compile_layers)
         self.info = ModelInfo(
             name=name or str(path), architecture=cfg.architecture, vocab_size=cfg.vocab_size,
             max_context=max_context, dtype=dtype, device=str(self.device), backend="native",

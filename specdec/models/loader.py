@@ -38,6 +38,7 @@ def load_model(
     name: str | None = None,
     head_vocab: int | str | None = None,
     cuda_graphs: bool | None = None,
+    compile_layers: bool = False,
 ) -> CausalLM:
     """Load the model in directory `path` with `backend` ("native", "hf", or "auto": native if supported).
 
@@ -47,7 +48,8 @@ def load_model(
     "auto": the size that file recommends, on CPU only (on a GPU the full head costs next to nothing),
     and the full head for checkpoints without one or on other backends. cuda_graphs (native only):
     decode and verify steps replayed as CUDA graphs (specdec.models.cuda_graphs); None: on for a CUDA
-    device; never on elsewhere.
+    device; never on elsewhere. compile_layers (native, with CUDA graphs on a CUDA device): the graphs'
+    layers torch.compile'd (specdec.models.compiled_layers); each new step shape compiles first.
     """
     path = Path(path)
     if backend not in BACKENDS:
@@ -65,7 +67,7 @@ def load_model(
         return LlamaModel(
             path, device=device, dtype=dtype, num_slots=num_slots, max_context=max_context,
             kv_budget_bytes=kv_budget_bytes, name=name, head_token_ids=reduced_head(path, head_vocab),
-            cuda_graphs=use_cuda_graphs(cuda_graphs, device),
+            cuda_graphs=use_cuda_graphs(cuda_graphs, device), compile_layers=compile_layers,
         )
     if kv_budget_bytes is not None:
         raise InvalidArgument("kv_budget_bytes is supported by the native backend only; give num_slots")
