@@ -211,3 +211,15 @@ def test_plain_decoding_is_measured_after_the_warm_up_and_now_and_then():
     plain_steps = [i for i, k in enumerate(ks) if k == 0]
     assert plain_steps[0] == 3 and len(plain_steps) == 3  # after 3 warm-up cycles, then every 10 cycles
     assert all(b - a == 11 for a, b in zip(plain_steps, plain_steps[1:]))
+
+
+def test_a_catch_up_cycle_is_not_charged_as_drafting():
+    """The first Propose of a session (or after plain steps) first feeds the draft the prompt or the
+    tokens it missed: a prefill that says nothing of what a drafted token costs."""
+    policy = DraftLengthPolicy(initial=4, max_tokens=8)
+    policy.observe_plain(0.040, 0.002)
+    policy.observe_cycle(4, 2, 0.090, 0.044, 0.030, steady=False)  # 90 ms: the draft's prefill
+    for _ in range(3):
+        policy.observe_cycle(4, 2, 0.008, 0.044, 0.004)
+    assert policy._draft_s == pytest.approx(0.002)
+    assert policy._speculative_overhead_s == pytest.approx(0.004)

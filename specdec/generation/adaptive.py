@@ -137,10 +137,13 @@ class DraftLengthPolicy:
                 and self._draft_s is not None and self._calibration.blocks >= self.warmup_cycles)
 
     def observe_cycle(self, k: int, num_accepted: int, draft_s: float, verify_s: float,
-                      overhead_s: float = 0.0, confidences: tuple[float, ...] = ()) -> None:
+                      overhead_s: float = 0.0, confidences: tuple[float, ...] = (), steady: bool = True) -> None:
         """A speculative cycle: k tokens verified, num_accepted accepted; model seconds of the
         draft (all k tokens) and of the verify, and the cycle's seconds outside the models;
-        the draft's confidence in each verified token, if it has them."""
+        the draft's confidence in each verified token, if it has them. steady=False: the draft first
+        caught up on a prompt or on plainly decoded tokens (a prefill, maybe a StartSession), so its
+        time and the cycle's overhead are not a steady cycle's and are left out of the costs (a
+        long prompt's draft prefill once counted as 20 ms per drafted token and switched sessions off)."""
         rejected = 1 if num_accepted < k else 0
         self._calibration.observe(tuple(confidences)[:k], num_accepted)
         if k > 0:  # the target verified a draft: the load lets speculation through again
@@ -149,10 +152,11 @@ class DraftLengthPolicy:
         self._trials = self.decay * self._trials + num_accepted + rejected
         self._evidence = self.evidence_decay * self._evidence + num_accepted + rejected
         self._observe_positions(k, num_accepted)
-        if k > 0:
+        if k > 0 and steady:
             self._draft_s = self._ewma(self._draft_s, draft_s / k)
         self._forward.observe(k + 1, verify_s)
-        self._speculative_overhead_s = self._ewma(self._speculative_overhead_s, overhead_s)
+        if steady:
+            self._speculative_overhead_s = self._ewma(self._speculative_overhead_s, overhead_s)
         self._cycles += 1
         self._since_plain += 1
         if not self.adapt:

@@ -115,6 +115,9 @@ class SpeculativeLoop:
         # running now, for the policy once the cycle's cost is known.
         # The proposal's size and its confidences too.
         self._cycle_calls: tuple[VerifyOutcome | None, float, float, int, tuple[float, ...]] | None = None
+        # The cycle's draft first caught up on a whole prompt or on tokens decoded plainly (a prefill
+        # in its Propose, or a StartSession): its draft time and overhead say nothing of a steady cycle.
+        self._draft_catching_up = False
         k = self.settings.num_draft_tokens
         if draft is not None and self.settings.adaptive:
             self.policy = DraftLengthPolicy(k, self.settings.max_draft_tokens)
@@ -165,6 +168,7 @@ class SpeculativeLoop:
         if self.policy is None or calls is None:
             return
         outcome, draft_s, target_s, num_proposed, confidences = calls
+        catching_up, self._draft_catching_up = self._draft_catching_up, False
         if cost.target_model_s > 0:
             draft_s, target_s = cost.draft_model_s, cost.target_model_s
         overhead_s = max(0.0, cost.wall_s - draft_s - target_s)
@@ -172,7 +176,7 @@ class SpeculativeLoop:
             self.policy.observe_plain(target_s, overhead_s)
         else:
             self.policy.observe_cycle(outcome.num_drafted, outcome.num_accepted, draft_s, target_s, overhead_s,
-                                      confidences)
+                                      confidences, steady=not catching_up)
             if outcome.num_drafted < num_proposed:  # the loaded target trimmed the draft
                 self.policy.limit(outcome.num_drafted)
 
@@ -221,6 +225,7 @@ class SpeculativeLoop:
         if not cursor.draft_ready:
             # (Re)open the draft's session from the committed sequence: first use, or after a
             # failure when its state is unknown.
+            self._draft_catching_up = True
             await self._forget_draft(cursor)
             await self.draft.start_session(cursor.session_id, cursor.tokens, cursor.params)
             cursor.draft_tokens = list(cursor.tokens)
@@ -228,6 +233,8 @@ class SpeculativeLoop:
             cursor.draft_epoch = 0
             cursor.draft_ready = True
         keep = self._common_prefix(cursor)
+        if cursor.position - keep > 2:  # more than a cycle's recovered/bonus token to feed the draft
+            self._draft_catching_up = True
         stop_below = self.policy.stop_below() if self.policy else 0.0
         proposal = await self.draft.propose(
             cursor.session_id, keep, cursor.tokens[keep:], k, cursor.draft_epoch,
