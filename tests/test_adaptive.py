@@ -223,3 +223,15 @@ def test_a_catch_up_cycle_is_not_charged_as_drafting():
         policy.observe_cycle(4, 2, 0.008, 0.044, 0.004)
     assert policy._draft_s == pytest.approx(0.002)
     assert policy._speculative_overhead_s == pytest.approx(0.004)
+
+
+def test_a_multi_token_forward_may_cost_a_step_more_than_a_plain_one():
+    """On a CPU at one thread a 2-token verify costs ~25% more than a plain step and little more per
+    token after that (another kernel for several rows): the fit keeps that step apart from the slope."""
+    from specdec.generation.adaptive import ForwardCost
+
+    cost = ForwardCost()
+    for n, seconds in [(1, 0.040), (2, 0.050), (5, 0.053), (3, 0.051), (9, 0.057)] * 4:
+        cost.observe(n, seconds)
+    assert cost.cost(1) == pytest.approx(0.040, abs=5e-4)
+    assert cost.cost(2) == pytest.approx(0.050, abs=5e-4) and cost.cost(9) == pytest.approx(0.057, abs=5e-4)
