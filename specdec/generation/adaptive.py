@@ -17,10 +17,20 @@ the benchmark (docs/BENCHMARKS.md):
   geometric series 1 + a + ... + a^k. Lookup drafts (n-gram) are not geometric: a draft that
   copies a repeated span is accepted the longer, the further it got. Each position's conditional
   rate is shrunk toward the overall rate, so unseen or rarely reached positions use that.
-- The target's cost is one line t(n) = t0 + t1 * n over the tokens a forward verifies, fitted to
-  every verify and plain step of the session (a plain step is a forward of one token), instead of
-  a separate running average per size: on a shared CPU one slow step made its size look dear
-  for many cycles, and sizes measured at different loads were compared with each other.
+- The target's cost is one fit t(n) = t0 + t1 * n + t2 * [n > 1] over the tokens a forward
+  verifies, to every verify and plain step of the session (forward_cost.py), instead of a separate
+  running average per size: on a shared CPU one slow step made its size look dear for many
+  cycles, and sizes measured at different loads were compared with each other.
+
+Then three more, because it still lost (a quiet run: 1.30x against k = 3's 1.39x with the draft
+model; its sessions decoded 17-21% of their steps plainly):
+- Switching off needs an optimistic estimate to lose too (acceptance + half a standard error of
+  the evidence, which fades while off): switching off ends the measurements that could switch it
+  back on, and three unlucky opening cycles used to be enough.
+- A cycle whose draft first caught up (the prompt's prefill, tokens decoded plainly meanwhile) is
+  not a drafting cost: a long prompt's prefill once priced drafting at 20 ms a token.
+- One plain step after the warm-up and one every explore_plain_every cycles measure what plain
+  decoding costs now (under concurrency, queueing included) instead of guessing it.
 
 A draft model that reports its confidences also gets a per-block stop (confidence.py): the policy
 then asks for up to max_tokens and a confidence threshold below which the draft stops, so each block
@@ -33,9 +43,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from specdec.generation.confidence import ConfidenceCalibration
+from specdec.generation.forward_cost import ForwardCost
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -256,58 +265,3 @@ class DraftLengthPolicy:
 
     def _ewma(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1.0 - self.decay) * new
-
-
-@dataclass
-class ForwardCost:
-    """t(n) = t0 + t1 * n + t2 * [n > 1]: seconds of a target forward over n tokens, by exponentially
-    weighted least squares over every forward seen (plain steps are n = 1). The step term t2 is what a
-    forward of several tokens costs beyond a one-token step whatever its length: on a CPU at one thread
-    the one-row products run on another kernel than the multi-row ones (models/linear_kernels.py; a
-    2-token verify measured 50 ms against 40 ms for a plain step and 53 ms for 5 tokens), which a line
-    through both cannot show (it made k = 1 look cheap and plain decoding dear). One fit over all sizes
-    keeps costs ordered by size when the load shifts (sizes timed apart, at different loads, were
-    not). Until sizes differ enough, a forward is assumed to grow by 5% of its mean per extra token:
-    cautious on CPUs, nearly flat as on GPUs. t1 and t2 are never negative."""
-
-    decay: float = 0.95  # per forward: slower than the acceptance estimates, to average out noise
-    default_slope: float = 0.05
-    _w: float = 0.0
-    _n: float = 0.0
-    _nn: float = 0.0
-    _t: float = 0.0
-    _sums: "np.ndarray" = field(default_factory=lambda: np.zeros((3, 4)))  # sum of w * f f^T | w * f t
-
-    @property
-    def seen(self) -> bool:
-        return self._w > 0
-
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        d = self.decay
-        self._w, self._n, self._t = d * self._w + 1, d * self._n + num_tokens, d * self._t + seconds
-        self._nn = d * self._nn + num_tokens * num_tokens
-        features = np.array([1.0, num_tokens, 1.0 if num_tokens > 1 else 0.0])
-        self._sums = d * self._sums + np.outer(features, np.append(features, seconds))
-
-    def cost(self, num_tokens: int) -> float:
-        if not self.seen:
-            return 0.0
-        mean_n, mean_t = self._n / self._w, self._t / self._w
-        if self._nn / self._w - mean_n * mean_n < 0.5:  # (nearly) one size so far: no slope to fit
-            return max(mean_t + self.default_slope * mean_t * (num_tokens - mean_n), 1e-9)
-        t0, t1, t2 = self._fit()
-        return max(t0 + t1 * num_tokens + (t2 if num_tokens > 1 else 0.0), 1e-9)
-
-    def _fit(self) -> tuple[float, float, float]:
-        """(t0, t1, t2) with t1, t2 >= 0: the least-squares fit, refitted without a term that came
-        out negative; a term the data cannot tell apart (no plain step seen: [n > 1] is constant)
-        is left out the same way."""
-        for used in ((0, 1, 2), (0, 1), (0, 2), (0,)):
-            a, b = self._sums[np.ix_(used, used)], self._sums[list(used), 3]
-            if np.linalg.cond(a) > 1e8:
-                continue
-            solution = np.linalg.solve(a, b)
-            if (solution[1:] >= 0).all():
-                theta = dict(zip(used, solution))
-                return theta.get(0, 0.0), theta.get(1, 0.0), theta.get(2, 0.0)
-        return self._t / self._w, 0.0, 0.0
