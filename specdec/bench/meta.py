@@ -56,7 +56,10 @@ def machine() -> dict:
 
 
 def commit() -> dict:
-    changed = [line[3:] for line in _git("status", "--porcelain", "--untracked-files=no").splitlines()]
+    # Split on the status letters, not at column 3: _git strips the output, which eats the first
+    # line's leading blank (" M path" became "M path", and its path lost a letter).
+    changed = [line.split(maxsplit=1)[1] for line in _git("status", "--porcelain", "--untracked-files=no").splitlines()
+               if line.strip()]
     return {"commit": _git("rev-parse", "HEAD"), "branch": _git("rev-parse", "--abbrev-ref", "HEAD"),
             "modified_tracked_files": changed}
 
