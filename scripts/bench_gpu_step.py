@@ -15,9 +15,9 @@ tokens), every row at the same context. Variants, timed interleaved repetition b
 With --weights-nt, the weights are then stored [out, in] (F.linear's own layout, gpt-fast's: the
 "dense-nt" linear kernel) instead of the dense kernel's [in, out], and eager-nt / graphs-nt /
 graphs-nt-compiled are timed on the same shapes (experiments: graphs-nt-compiled-cublas, every
-product left to cuBLAS; -pdl, with inductor's programmatic dependent launch). --variants picks a
-subset; --profile adds a per-kernel GPU-time table (torch.profiler) of the named variants at
---profile-shape.
+product left to cuBLAS; -pdl, with inductor's programmatic dependent launch; --compile-options lays
+inductor options over graphs-nt-compiled's). --variants picks a subset; --profile adds a per-kernel
+GPU-time table (torch.profiler) of the named variants at --profile-shape.
 Each forward is timed host to host (synchronize before and after), so launch overhead counts, and
 undone with truncate. The script also checks that graphs and eager give the same logits (max
 relative error, greedy token agreement) at every shape; --fp32-reference compares every checked
@@ -240,6 +240,9 @@ def run_model(spec: str, args) -> dict:
         to_nt(model)
         nt_runner = GraphRunner(model, capture=capture)
         nt_compiled = GraphRunner(model, capture=capture, compile_layers=True)
+        if args.compile_options:  # inductor options over COMPILE_OPTIONS, for this variant only
+            nt_compiled.layers = CompiledLayers(model, compile=capture, options={**COMPILE_OPTIONS,
+                                                                                 **args.compile_options})
         nt_cublas = GraphRunner(model, capture=capture, compile_layers=True)
         # the same pieces, but the products left to cuBLAS (no coordinate-descent decomposition)
         nt_cublas.layers = CompiledLayers(model, compile=capture, options={"triton.cudagraphs": False})
@@ -319,12 +322,15 @@ def main() -> None:
     parser.add_argument("--profile-shape", default="1x1")
     parser.add_argument("--fp32-reference", action="store_true",
                         help="also compare every checked variant with the eager forward in float32")
+    parser.add_argument("--compile-options", type=json.loads, default=None,
+                        help="JSON of inductor options laid over COMPILE_OPTIONS for graphs-nt-compiled")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     results = []
     for spec in args.model:
         results.append(run_model(spec, args))
-        args.out.write_text(json.dumps({"results": results, "torch": torch.__version__}, indent=1))
+        args.out.write_text(json.dumps({"results": results, "torch": torch.__version__,
+                                        "compile_options": args.compile_options}, indent=1))
 
 
 if __name__ == "__main__":

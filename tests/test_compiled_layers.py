@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from models_helpers import random_tokens, relative_error, tiny_dir
+from specdec.models.compiled_layers import COMPILE_OPTIONS
 from specdec.models.llama import LlamaModel
 from test_cuda_graphs import script
 
@@ -35,6 +36,15 @@ def test_split_layers_equal_the_normal_forward(root, case, linear_kernel):
         assert torch.allclose(g, w, rtol=0, atol=1e-5 * w.abs().max().item())
         assert torch.equal(g.argmax(-1), w.argmax(-1))
     assert split.graphs.stats.replays == 5 and not split.graphs.layers.compile
+
+
+def test_compile_options_name_inductor_settings():
+    """A misspelt or renamed option would fail only at the first compilation, on a GPU."""
+    import torch._inductor.config as inductor_config
+
+    for name in COMPILE_OPTIONS:
+        group, _, option = name.rpartition(".")
+        assert hasattr(getattr(inductor_config, group) if group else inductor_config, option), name
 
 
 def test_off_by_default(root):

@@ -15,8 +15,8 @@ streams weights stored [out, in] (the "dense-nt" linear kernel) at ~90% of copy 
 ~70% for [in, out]. The pre/post pieces compile once per token count (B * T), the attention piece
 once per (token count, key bucket); each compiled piece serves every layer. The attention mask is
 built once per forward. Measured (docs/BENCHMARKS.md, scripts/bench_gpu_step.py): the 8B decode
-step from 6.4 ms to 4.5-5.9 ms on an H200, depending on which kernel configurations the tuning
-picked in that compilation; ~15-20 s to compile the first shape.
+step from 6.4 ms to 4.5-4.8 ms on an H200 (six compilations; without checking all tuning
+directions 4.5-5.9 ms, see COMPILE_OPTIONS); ~25-65 s to compile the first shape.
 
 compile=False runs the same functions eagerly (CPU tests check them against the normal forward).
 Compilation happens on the first call of each shape, in the graph runner's warm-up before capture.
@@ -36,8 +36,13 @@ if TYPE_CHECKING:
     from specdec.models.llama import LlamaModel, _Batch
 
 # Inductor settings for these pieces only (not global): tuned one-row reductions, no inductor graphs
-# (cuda_graphs.py captures the whole forward itself).
-COMPILE_OPTIONS = {"coordinate_descent_tuning": True, "triton.cudagraphs": False}
+# (cuda_graphs.py captures the whole forward itself). Coordinate descent alone moves one field (block
+# size, warps) at a time and stops at the first configuration that no single move improves; which one
+# that is depends on noise in its timings (8B decode step 4.5-5.9 ms over eight compilations on an
+# H200). Checking all directions once it stops (every combination of neighbouring values) gave
+# 4.5-4.8 ms over six, at ~25-65 s of compilation instead of ~15-20 (docs/BENCHMARKS.md).
+COMPILE_OPTIONS = {"coordinate_descent_tuning": True, "coordinate_descent_check_all_directions": True,
+                   "triton.cudagraphs": False}
 # One compiled entry per (model, token count[, key bucket]): raise Dynamo's per-function limit of 8
 # while compiling (guards are evaluated only outside graph replays, so many entries cost nothing).
 RECOMPILE_LIMIT = 256
