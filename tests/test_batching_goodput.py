@@ -73,7 +73,7 @@ def test_trim_keeps_the_prefixes_with_the_best_goodput():
 
 
 def test_under_load_low_acceptance_drafts_are_dropped_and_free_tokens_are_kept():
-    loaded = trimmer_with_cost()
+    loaded = trimmer_with_cost(margin=0.0)  # the goodput rule alone
     for i in range(16):
         teach(loaded, f"s{i}", 1, 4)  # a ~ 0.5: in a batch of 16 no drafted token pays for itself
     trimmed = loaded.trim([verify(f"s{i}", 4) for i in range(16)])
@@ -81,10 +81,24 @@ def test_under_load_low_acceptance_drafts_are_dropped_and_free_tokens_are_kept()
     pair = [verify("s0", 4), DecodeWork("other", 10)]
     assert 0 < loaded.trim(pair)[0].draft.num_tokens < 4  # with one other row the first ones still pay
     assert loaded.trim(pair[:1])[0].draft.num_tokens == 4  # alone: the coordinator's call
-    flat = trimmer_with_cost(beta=0.0)  # a GPU at small batches: tokens cost nothing extra
+    flat = trimmer_with_cost(beta=0.0, margin=0.0)  # a GPU at small batches: tokens cost nothing extra
     teach(flat, "s0", 0, 4)
     assert flat.trim(pair)[0].draft.num_tokens == 4
     assert DraftTrimmer().trim(pair)[0].draft.num_tokens == 4  # no cost measured yet
+
+
+def test_speculation_that_barely_pays_in_the_step_is_cut_by_the_margin():
+    """Drafts pass only if they raise the step's modelled goodput by the margin (20%): a drafted row
+    also costs its session a draft round trip the step cost does not see."""
+    rows = [verify("s0", 4), DecodeWork("other", 10), DecodeWork("third", 10)]
+    strict, pure = trimmer_with_cost(), trimmer_with_cost(margin=0.0)
+    for trimmer in (strict, pure):
+        teach(trimmer, "s0", 1, 4)  # a ~ 0.5: the first tokens raise the step's goodput by < 20%
+    assert pure.trim(rows)[0].draft.num_tokens > 0
+    assert strict.trim(rows)[0].draft.num_tokens == 0
+    good = trimmer_with_cost()
+    teach(good, "s0", 4, 4)  # everything accepted: well worth its tokens
+    assert good.trim(rows)[0].draft.num_tokens == 4
 
 
 def test_prefix_keeps_the_distributions_of_the_kept_tokens():
