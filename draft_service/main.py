@@ -46,6 +46,7 @@ class DraftServiceSettings:
     device: str = "cpu"
     dtype: str = "float32"
     cuda_graphs: bool | None = None  # None: on for a CUDA device
+    compile_layers: bool = False  # torch.compile the CUDA-graph layers (specdec.models.compiled_layers)
     num_slots: int = 8
     max_context: int | None = None
     top_m: int = 64
@@ -138,7 +139,7 @@ def build_engine(settings: DraftServiceSettings):
         log.info("loading draft model %s from %s", settings.model, model_dir)
         model = load_model(model_dir, backend=settings.backend, device=settings.device, dtype=settings.dtype,
                            num_slots=settings.num_slots, max_context=settings.max_context, name=settings.model,
-                           head_vocab=settings.head_vocab, cuda_graphs=settings.cuda_graphs)
+                           head_vocab=settings.head_vocab, cuda_graphs=settings.cuda_graphs, compile_layers=settings.compile_layers)
         proposer = DraftModelProposer(model, top_m=settings.top_m)
         info, top_m = model.info, settings.top_m
     engine = DraftEngine(proposer, idle_ttl_s=settings.session_ttl_s, max_draft_tokens=settings.max_draft_tokens)

@@ -95,3 +95,14 @@ def test_client_arguments_per_upstream(tmp_path):
         ClientSettings(plaintext=True, auth_token="t")
     with pytest.raises(ConfigError):
         ClientSettings(tls_cert=Path("c"))
+
+
+def test_model_services_take_compile_layers():
+    """--compile-layers reaches both model services' settings (and load_model); off by default."""
+    from draft_service.main import build_parser as draft_parser, settings_from_args as draft_settings
+    from target_service.main import build_parser as target_parser, settings_from_args as target_settings
+
+    for parser, to_settings in ((target_parser, target_settings), (draft_parser, draft_settings)):
+        base = ["--plaintext", "--model", "smollm2-135m-instruct"]
+        assert not to_settings(parser().parse_args(base)).compile_layers
+        assert to_settings(parser().parse_args([*base, "--compile-layers"])).compile_layers

@@ -41,6 +41,9 @@ def add_model_arguments(group: Any, *, num_slots_help: str) -> None:
     group.add_argument("--cuda-graphs", choices=["on", "off"], default=None,
                        help="replay decode and verify steps as CUDA graphs (native backend; default: on "
                             "for a CUDA device, never elsewhere)")
+    group.add_argument("--compile-layers", action="store_true",
+                       help="torch.compile the CUDA-graph steps' layers (native backend on a CUDA device; "
+                            "15-65 s of compilation per new step shape; specdec/models/compiled_layers.py)")
     group.add_argument("--num-slots", type=int, default=8, help=num_slots_help)
     group.add_argument("--max-context", type=int, default=None, help="tokens per session (default: the model's)")
     group.add_argument("--session-ttl", type=float, default=600.0, help="seconds before an idle session expires")
@@ -51,7 +54,7 @@ def add_model_arguments(group: Any, *, num_slots_help: str) -> None:
 def model_settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The add_model_arguments flags as keyword arguments of a service's settings."""
     return {"backend": args.backend, "device": args.device, "dtype": args.dtype, "num_slots": args.num_slots,
-            "cuda_graphs": cuda_graphs_flag(args.cuda_graphs),
+            "cuda_graphs": cuda_graphs_flag(args.cuda_graphs), "compile_layers": args.compile_layers,
             "max_context": args.max_context, "session_ttl_s": args.session_ttl, "ready_file": args.ready_file}
 
 
