@@ -46,11 +46,14 @@ class TargetServiceSettings:
     test_fault: str | None = None  # TEST ONLY: TargetEngine(fault_injection=...), docs/CANARY.md
     batching: service.BatchSettings = service.BatchSettings()
     trim_drafts: bool = True  # --draft-trimming goodput
+    trim_margin: float = 0.0  # --trim-margin: the goodput gain drafts must bring (DraftTrimmer.margin)
 
     def __post_init__(self) -> None:
         service.check_model_settings(self.num_slots, self.max_context, self.session_ttl_s)
         if self.max_draft_tokens < 1:
             raise ConfigError(f"--max-draft-tokens must be >= 1, got {self.max_draft_tokens}")
+        if not 0.0 <= self.trim_margin <= 10.0:  # also refuses NaN
+            raise ConfigError(f"--trim-margin must be in [0, 10], got {self.trim_margin}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,6 +71,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="goodput: verify only the drafted tokens that raise the batch's expected tokens per "
                         "second (measured step cost and per-session acceptance), so that under load "
                         "speculation never falls below plain decoding; off: verify every drafted token")
+    g.add_argument("--trim-margin", type=float, default=0.0,
+                   help="goodput trimming: let drafts through only if they raise the step's expected tokens "
+                        "per second by this share over plain decoding (e.g. 0.2 on CPUs, where a drafted "
+                        "session's draft round trip, not in the step cost, slows the batch; 0..10)")
     add_server_arguments(parser, port=DEFAULT_PORT, metrics_port=DEFAULT_METRICS_PORT)
 
 
@@ -76,6 +83,7 @@ def settings_from_args(args: argparse.Namespace) -> TargetServiceSettings:
         server=server_settings_from_args(args, service=SERVICE), model=args.model,
         max_draft_tokens=args.max_draft_tokens, test_fault=args.test_fault,
         batching=service.batch_settings_from_args(args), trim_drafts=args.draft_trimming == "goodput",
+        trim_margin=args.trim_margin,
         **service.model_settings_from_args(args),
     )
 
@@ -88,7 +96,7 @@ async def serve_target(settings: TargetServiceSettings, engine, tokenizer, trace
 
     def build_servicer(executor, registry) -> TargetServicer:
         return TargetServicer(engine, executor, TargetMetrics(registry), tokenizer, settings.max_draft_tokens,
-                              settings.batching, settings.trim_drafts)
+                              settings.batching, settings.trim_drafts, settings.trim_margin)
 
     await service.serve_model_service(
         settings.server, build_servicer, target_pb2_grpc.add_TargetServiceServicer_to_server, TARGET_SERVICE_NAME,

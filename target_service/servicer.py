@@ -57,6 +57,7 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
         max_draft_tokens: int = 64,
         batching: BatchSettings = BatchSettings(),
         trim_drafts: bool = False,
+        trim_margin: float = 0.0,
     ):
         self.engine = engine
         self.executor = executor
@@ -66,7 +67,7 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
         # With trim_drafts, each step verifies only the drafted tokens that raise the batch's
         # expected tokens per second (specdec.engine.goodput), so load never makes speculation
         # slower than plain decoding; without, every drafted token is verified.
-        self.trimmer = DraftTrimmer() if trim_drafts else None
+        self.trimmer = DraftTrimmer(margin=trim_margin) if trim_drafts else None
         step = functools.partial(run_trimmed_batch, engine, self.trimmer) if trim_drafts \
             else functools.partial(run_target_batch, engine)
         self.batcher = Batcher(executor, step,

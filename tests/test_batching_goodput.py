@@ -88,15 +88,16 @@ def test_under_load_low_acceptance_drafts_are_dropped_and_free_tokens_are_kept()
 
 
 def test_speculation_that_barely_pays_in_the_step_is_cut_by_the_margin():
-    """Drafts pass only if they raise the step's modelled goodput by the margin (20%): a drafted row
-    also costs its session a draft round trip the step cost does not see."""
+    """With a margin (the target's --trim-margin 0.2), drafts pass only if they raise the step's
+    modelled goodput by 20%: a drafted row also costs its session a draft round trip the step cost
+    does not see. The default, 0, is the goodput rule alone."""
     rows = [verify("s0", 4), DecodeWork("other", 10), DecodeWork("third", 10)]
-    strict, pure = trimmer_with_cost(), trimmer_with_cost(margin=0.0)
+    strict, pure = trimmer_with_cost(margin=0.2), trimmer_with_cost()
     for trimmer in (strict, pure):
         teach(trimmer, "s0", 1, 4)  # a ~ 0.5: the first tokens raise the step's goodput by < 20%
     assert pure.trim(rows)[0].draft.num_tokens > 0
     assert strict.trim(rows)[0].draft.num_tokens == 0
-    good = trimmer_with_cost()
+    good = trimmer_with_cost(margin=0.2)
     teach(good, "s0", 4, 4)  # everything accepted: well worth its tokens
     assert good.trim(rows)[0].draft.num_tokens == 4
 

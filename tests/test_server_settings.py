@@ -106,3 +106,15 @@ def test_model_services_take_compile_layers():
         base = ["--plaintext", "--model", "smollm2-135m-instruct"]
         assert not to_settings(parser().parse_args(base)).compile_layers
         assert to_settings(parser().parse_args([*base, "--compile-layers"])).compile_layers
+
+
+def test_the_target_takes_a_trimming_margin_within_bounds():
+    from specdec.server.settings import ConfigError
+    from target_service.main import build_parser, settings_from_args
+
+    base = ["--plaintext", "--model", "smollm2-135m-instruct"]
+    assert settings_from_args(build_parser().parse_args(base)).trim_margin == 0.0
+    assert settings_from_args(build_parser().parse_args([*base, "--trim-margin", "0.2"])).trim_margin == 0.2
+    for bad in ("-0.1", "11", "nan"):
+        with pytest.raises(ConfigError, match="--trim-margin must be in"):
+            settings_from_args(build_parser().parse_args([*base, "--trim-margin", bad]))

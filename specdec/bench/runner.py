@@ -59,6 +59,7 @@ class BenchConfig:
     seed: int = 0
     log_dir: Path | None = None
     extra_env: dict = field(default_factory=dict)
+    target_args: tuple[str, ...] = ()  # extra flags for the target service (--target-arg)
 
 
 @dataclass
@@ -119,7 +120,7 @@ class Bench:
                               c.threads, num_slots=max(8, max(c.concurrency) + 4), cuda_graphs=c.cuda_graphs,
                               max_context=c.max_context,
                               num_draft_tokens=c.num_draft_tokens, replay_references=self.references,
-                              replay_seed=c.replay_seed, extra_env=dict(c.extra_env),
+                              replay_seed=c.replay_seed, extra_env=dict(c.extra_env), target_args=tuple(c.target_args),
                               branch_coordinators=tuple(dict.fromkeys(
                                   coordinator_of(m) for m in self.methods
                                   if is_service(m) and proposer_of(m) and "@" in coordinator_of(m))))

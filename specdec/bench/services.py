@@ -31,6 +31,7 @@ class ServiceOptions:
     replay_references: Path | None = None  # replay proposers (model-scale runs): references file
     replay_seed: int = 0
     extra_env: dict = field(default_factory=dict)
+    target_args: tuple[str, ...] = ()  # extra flags for the target service
     # Extra coordinators "<proposer>@branches<N>" with --pipeline-branches N (multi-outcome methods).
     branch_coordinators: tuple[str, ...] = ()
 
@@ -89,7 +90,7 @@ class Deployment:
                            "--num-slots", str(o.num_slots)]
             if o.max_context:
                 target_args += ["--max-context", str(o.max_context)]
-            target_args += cuda_graphs_args(o)
+            target_args += cuda_graphs_args(o) + list(o.target_args)
             self.target = self._spawn("target", "target_service", target_args)
             for name, (module, args) in draft_specs(o, proposers).items():
                 self.drafts[name] = self._spawn("draft", module, ["--host", self.network.host("draft"), *args])

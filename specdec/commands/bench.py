@@ -75,6 +75,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--max-context", type=int,
                         help="tokens per session in every model (default: the model's limit capped at 2048); "
                              "byte-level random models need more for Spec-Bench's long prompts")
+    parser.add_argument("--target-arg", action="append", default=[], metavar="FLAG",
+                        help="an extra flag for the target service, repeatable, e.g. --target-arg=--trim-margin=0.2")
     parser.add_argument("--cuda-graphs", choices=["on", "off"], default=None,
                         help="native backend on CUDA: replay decode and verify steps as CUDA graphs, in the "
                              "services and in process (default: on for a CUDA device)")
@@ -125,6 +127,7 @@ def build_config(args: argparse.Namespace):
         max_context=args.max_context,
         timing_repeats=args.timing_repeats, seed=args.seed, log_dir=args.log_dir, replay_alphas=args.replay_alpha,
         replay_seed=args.replay_seed, ignore_eos=args.ignore_eos, floor=args.floor,
+        target_args=tuple(args.target_arg),
     )
 
 

@@ -73,7 +73,7 @@ class DraftTrimmer:
     engine: trim and observe run on the model thread)."""
 
     def __init__(self, prior: float = 0.8, prior_trials: float = 2.0, decay: float = 0.9,
-                 max_sessions: int = 4096, margin: float = 0.2):
+                 max_sessions: int = 4096, margin: float = 0.0):
         # An optimistic prior lets a new session show what its drafts are worth before load cuts
         # them. A session cut to nothing keeps its estimate until the load lets its drafts through.
         self.prior, self.prior_trials, self.decay = prior, prior_trials, decay
@@ -81,7 +81,9 @@ class DraftTrimmer:
         # is cut: a drafted row also costs its session a draft round trip, during which it misses
         # the target's steps (sessions fall out of step, waiting on each other's draft and verify
         # phases), which the step cost does not see. At 4 sessions on 2 CPU cores the model
-        # predicted speculation to break even while it measured 0.80-0.85x plain (docs/BENCHMARKS.md).
+        # predicted speculation to break even while it measured 0.80-0.85x plain (docs/BENCHMARKS.md);
+        # 0.2 took that to 0.92-0.95x. Off by default: on tiny test models, whose step-cost fit is
+        # noisy, it also cut drafts that paid (the target service's --trim-margin).
         self.margin = margin
         self.max_sessions = max_sessions
         self.cost = StepCost()
