@@ -66,15 +66,21 @@ def traced_service(tracer, executor: ModelExecutor):
     return register
 
 
-async def test_trace_context_propagates_from_client_span_to_server_span():
-    client_spans, server_spans = InMemorySpanExporter(), InMemorySpanExporter()
-    client_provider = setup_tracing("test-coordinator", 1.0, client_spans)
-    server_provider = setup_tracing("test-target", 1.0, server_spans)
+async def traced_host(server_provider) -> ServiceHost:
+    """A started server of traced_service, its spans to server_provider."""
     executor = ModelExecutor()
     settings = ServerSettings(port=0, plaintext=True, grace_period_s=0.0)
     register = traced_service(server_provider.get_tracer("target"), executor)
     host = ServiceHost(settings, register, tracer_provider=server_provider, on_shutdown=executor.aclose)
     await host.start()
+    return host
+
+
+async def test_trace_context_propagates_from_client_span_to_server_span():
+    client_spans, server_spans = InMemorySpanExporter(), InMemorySpanExporter()
+    client_provider = setup_tracing("test-coordinator", 1.0, client_spans)
+    server_provider = setup_tracing("test-target", 1.0, server_spans)
+    host = await traced_host(server_provider)
     tracer = client_provider.get_tracer("coordinator")
     client = ClientSettings(plaintext=True, timeout_s=5.0)
     async with create_channel(f"127.0.0.1:{host.port}", client, tracer_provider=client_provider) as channel:
@@ -222,11 +228,7 @@ async def test_a_client_whose_spans_go_nowhere_records_none_but_still_propagates
                                                              PropagateStreamContextInterceptor]
     server_spans = InMemorySpanExporter()
     server_provider = setup_tracing("test-target", 1.0, server_spans)
-    executor = ModelExecutor()
-    settings = ServerSettings(port=0, plaintext=True, grace_period_s=0.0)
-    register = traced_service(server_provider.get_tracer("target"), executor)
-    host = ServiceHost(settings, register, tracer_provider=server_provider, on_shutdown=executor.aclose)
-    await host.start()
+    host = await traced_host(server_provider)
     client = ClientSettings(plaintext=True, timeout_s=5.0)
     async with create_channel(f"127.0.0.1:{host.port}", client, tracer_provider=quiet) as channel:
         await channel.unary_unary(f"/{SERVICE}/Step")(b"x")  # no current span: a trace of its own
