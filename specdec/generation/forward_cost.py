@@ -21,30 +21,30 @@ class ForwardCost:
 
     decay: float = 0.95  # per forward: slower than the acceptance estimates, to average out noise
     default_slope: float = 0.05
-    _w: float = 0.0
-    _n: float = 0.0
-    _nn: float = 0.0
-    _t: float = 0.0
-    _sums: "np.ndarray" = field(default_factory=lambda: np.zeros((3, 4)))  # sum of w * f f^T | w * f t
+    # Exponentially weighted sums over forwards of f f^T (columns 0-2) and f t (column 3), with the
+    # features f = (1, n, [n > 1]): the weight, the token and time sums are entries of it.
+    _sums: "np.ndarray" = field(default_factory=lambda: np.zeros((3, 4)))
+    _fitted: tuple[float, float, float] | None = None  # _fit() since the last observe
 
     @property
     def seen(self) -> bool:
-        return self._w > 0
+        return self._sums[0, 0] > 0
 
     def observe(self, num_tokens: int, seconds: float) -> None:
-        d = self.decay
-        self._w, self._n, self._t = d * self._w + 1, d * self._n + num_tokens, d * self._t + seconds
-        self._nn = d * self._nn + num_tokens * num_tokens
         features = np.array([1.0, num_tokens, 1.0 if num_tokens > 1 else 0.0])
-        self._sums = d * self._sums + np.outer(features, np.append(features, seconds))
+        self._sums = self.decay * self._sums + np.outer(features, np.append(features, seconds))
+        self._fitted = None
 
     def cost(self, num_tokens: int) -> float:
         if not self.seen:
             return 0.0
-        mean_n, mean_t = self._n / self._w, self._t / self._w
-        if self._nn / self._w - mean_n * mean_n < 0.5:  # (nearly) one size so far: no slope to fit
+        w, n, nn, t = self._sums[0, 0], self._sums[0, 1], self._sums[1, 1], self._sums[0, 3]
+        mean_n, mean_t = n / w, t / w
+        if nn / w - mean_n * mean_n < 0.5:  # (nearly) one size so far: no slope to fit
             return max(mean_t + self.default_slope * mean_t * (num_tokens - mean_n), 1e-9)
-        t0, t1, t2 = self._fit()
+        if self._fitted is None:  # a policy asks for many sizes per cycle: solve once per forward seen
+            self._fitted = self._fit()
+        t0, t1, t2 = self._fitted
         return max(t0 + t1 * num_tokens + (t2 if num_tokens > 1 else 0.0), 1e-9)
 
     def _fit(self) -> tuple[float, float, float]:
@@ -59,4 +59,4 @@ class ForwardCost:
             if (solution[1:] >= 0).all():
                 theta = dict(zip(used, solution))
                 return theta.get(0, 0.0), theta.get(1, 0.0), theta.get(2, 0.0)
-        return self._t / self._w, 0.0, 0.0
+        return self._sums[0, 3] / self._sums[0, 0], 0.0, 0.0
