@@ -95,6 +95,21 @@ def test_magpie_prefixes_and_passage_tasks(tokenizer):
     assert all("Answer" in text for text, _ in tasks)
 
 
+def test_summaries_join_passages_and_prefer_news_articles():
+    seeds = load_seeds()
+    sources = [(f"Q{i}?", f"Answer {i}. More of it.") for i in range(20)]
+    news = [("Write a news article", "NEWS story. Details.")]
+    tasks = [text for text, family in passage_tasks(seeds, sources, 400, random.Random(1), summary_passages=3,
+                                                     news_sources=news) if family == "summarization"]
+    assert len(tasks) > 50
+    led_by_news = sum("NEWS story" in t for t in tasks) / len(tasks)
+    assert 0.55 < led_by_news < 0.85  # NEWS_SOURCE_PREFERENCE = 0.7
+    joined = [t.count("More of it") + t.count("NEWS story") for t in tasks]
+    assert min(joined) == 1 and max(joined) == 3
+    single = passage_tasks(seeds, sources, 200, random.Random(1))  # the defaults: one passage, no news
+    assert all(t.count("More of it") == 1 for t, family in single if family == "summarization")
+
+
 def test_generate_data_writes_shards_deterministically(data_dir, tmp_path, target, tokenizer):
     records = load_dir(data_dir)
     assert len(list(data_dir.glob("shard-*.npz"))) == 2 and records
@@ -152,6 +167,20 @@ def test_training_is_deterministic_and_resumes(data_dir, tmp_path, target, token
     log = [json.loads(line) for line in (straight / "train_log.jsonl").read_text().splitlines()]
     losses = [r[DRAFT]["loss"] for r in log if "lr" in r]
     assert len(losses) == 4 and all(np.isfinite(losses))
+
+
+def test_training_can_start_from_a_trained_draft(data_dir, tmp_path, target, tokenizer):
+    first = tmp_path / "first"
+    Trainer(_train_config(data_dir, first, 3, lr=1e-2), target, tokenizer).train()
+    saved = _weights(first)
+    fresh = Trainer(_train_config(data_dir, tmp_path / "fresh", 1), target, tokenizer).drafts[DRAFT].state_dict()
+    warm = Trainer(_train_config(data_dir, tmp_path / "warm", 1, init_from=str(first / DRAFT)), target, tokenizer)
+    start = warm.drafts[DRAFT].state_dict()
+    assert all(torch.equal(start[k], saved[k].float()) for k in saved)
+    assert not torch.equal(fresh["model.layers.0.mlp.up_proj.weight"], start["model.layers.0.mlp.up_proj.weight"])
+    with pytest.raises(ValueError, match="is not a"):
+        Trainer(TrainConfig(data_dir=str(data_dir), out_dir=str(tmp_path / "other"), drafts=("h128-l2-i256-kv1",),
+                            init_from=str(first / DRAFT), device="cpu"), target, tokenizer)
 
 
 def test_loss_decreases_with_soft_labels(data_dir, tmp_path, target, tokenizer):

@@ -46,6 +46,10 @@ def add_subcommands(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-user-tokens", type=int, default=96)
     g.add_argument("--max-answer-tokens", type=int, default=320)
     g.add_argument("--max-passage-answer-tokens", type=int, default=256)
+    g.add_argument("--passage-fraction", type=float, default=0.35,
+                   help="passage tasks (summarize, RAG, extract...) per chunk, relative to --prompts-per-chunk")
+    g.add_argument("--summary-passages", type=int, default=1,
+                   help="a summarization task joins 1 to this many answers into one document")
     g.add_argument("--time-budget", type=float, default=0.0, help="seconds; no new chunk starts after it")
     _device_args(g, default_dtype="bfloat16")
     g.set_defaults(func=_generate_data)
@@ -64,6 +68,9 @@ def add_subcommands(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--out", required=True, help="run directory: state.pt, train_log.jsonl, one HF dir per draft")
     t.add_argument("--draft", action="append", default=None,
                    help=f"draft size spec, repeatable (default {DEFAULT_DRAFT})")
+    t.add_argument("--init-from", default=None,
+                   help="start from this draft's weights (HF directory or registry name) instead of the target's "
+                        "projected embedding: continue training a shipped draft on new data")
     t.add_argument("--eval", default=None, help="held-out reference answers (make-eval), for the learning curve")
     t.add_argument("--max-steps", type=int, default=1000)
     t.add_argument("--time-budget", type=float, default=0.0,
@@ -139,7 +146,8 @@ def _generate_data(args) -> int:
         prompts_per_chunk=args.prompts_per_chunk, batch_size=args.batch_size,
         max_batch_tokens=args.max_batch_tokens, max_user_tokens=args.max_user_tokens,
         max_answer_tokens=args.max_answer_tokens, max_passage_answer_tokens=args.max_passage_answer_tokens,
-        time_budget_s=args.time_budget,
+        time_budget_s=args.time_budget, passage_fraction=args.passage_fraction,
+        summary_passages=args.summary_passages,
     )
     target = load_target(args.target, args.device, _dtype(args.dtype))
     stats = generate_data(BatchedLlama(target), load_tokenizer(args.target), load_seeds(args.seeds), cfg)
@@ -168,7 +176,7 @@ def _train(args) -> int:
     cfg = TrainConfig(
         data_dir=args.data, out_dir=args.out, target=args.target, drafts=tuple(args.draft or [DEFAULT_DRAFT]),
         eval_file=args.eval, max_steps=args.max_steps, time_budget_s=args.time_budget, reload_data=args.reload_data,
-        stop_at_step=args.stop_at_step,
+        stop_at_step=args.stop_at_step, init_from=_resolved_draft(args.init_from),
         batch_tokens=args.batch_tokens, max_len=args.max_len, lr=args.lr, warmup_steps=args.warmup_steps,
         kd_weight=args.kd_weight, ce_weight=args.ce_weight, prompt_weight=args.prompt_weight, seed=args.seed,
         log_every=args.log_every, eval_every=args.eval_every, save_every=args.save_every, device=args.device,
@@ -177,6 +185,14 @@ def _train(args) -> int:
     final = Trainer(cfg, target, load_tokenizer(args.target)).train()
     print(json.dumps(final))
     return 0
+
+
+def _resolved_draft(name: str | None) -> str | None:
+    if name is None:
+        return None
+    from specdec.models.registry import resolve_model
+
+    return str(resolve_model(name))
 
 
 def _evaluate(args) -> int:

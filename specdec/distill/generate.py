@@ -40,6 +40,7 @@ class GenerateConfig:
     max_answer_tokens: int = 320
     max_passage_answer_tokens: int = 256
     passage_fraction: float = 0.35  # passage prompts per chunk, relative to prompts_per_chunk
+    summary_passages: int = 1  # a summarization task joins 1 to this many answers (longer documents)
     min_passage_tokens: int = 64
     sampled_fraction: float = 0.15  # answers sampled instead of greedy, for robustness off the greedy path
     user_temperature: float = 1.0
@@ -115,7 +116,7 @@ def generate_chunk(
     # Round 2: answers, mostly greedy.
     sampled = [rng.random() < cfg.sampled_fraction for _ in users]
     answer_prompts = [prompt_ids(tokenizer, text, system) for text, system, _ in users]
-    records, sources = [], []
+    records, sources, news_sources = [], [], []
     for is_sampled in (False, True):
         idx = [i for i, s in enumerate(sampled) if s == is_sampled]
         outs = run_prompts(runner, [answer_prompts[i] for i in idx], cfg.max_answer_tokens,
@@ -128,9 +129,12 @@ def generate_chunk(
             answer = _strip_stop(new, stop_ids)
             if not is_sampled and len(answer) >= cfg.min_passage_tokens:
                 sources.append((users[i][0], tokenizer.decode(answer).strip()))
+                if users[i][2] == "news":
+                    news_sources.append(sources[-1])
 
     # Round 3: passage tasks over this chunk's own answers.
-    tasks = passage_tasks(seeds, sources, int(cfg.prompts_per_chunk * cfg.passage_fraction), rng)
+    tasks = passage_tasks(seeds, sources, int(cfg.prompts_per_chunk * cfg.passage_fraction), rng,
+                          cfg.summary_passages, news_sources)
     task_prompts = [prompt_ids(tokenizer, text) for text, _ in tasks]
     outs = run_prompts(runner, task_prompts, cfg.max_passage_answer_tokens, temperature=0.0, top_p=1.0,
                        desc=f"chunk {chunk} passage tasks", **common)

@@ -43,6 +43,7 @@ class TrainConfig:
     time_budget_s: float = 0.0
     reload_data: bool = False  # rescan data_dir at each epoch (a generator still writing shards)
     stop_at_step: int = 0  # save and stop after this step, keeping the schedule (split a run across sessions)
+    init_from: str | None = None  # an HF draft directory to start from (same shape as the one draft trained)
     batch_tokens: int = 16384
     max_len: int = 1024
     lr: float = 2e-3
@@ -123,6 +124,8 @@ class Trainer:
         if target is None:
             raise ValueError("a target model is needed (its embedding initialises the draft)")
         self.drafts = {s.name: build_draft(target, s, cfg.seed).to(self.device) for s in self.specs}
+        if cfg.init_from:
+            self._init_from(cfg.init_from)
         self.optims = {
             name: torch.optim.AdamW(d.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
             for name, d in self.drafts.items()
@@ -132,6 +135,22 @@ class Trainer:
         self.elapsed = 0.0
         if (self.out / "state.pt").exists():
             self._load_state()
+
+    def _init_from(self, path: str) -> None:
+        """Start from a trained draft's weights (a resumed run's state.pt still takes precedence)."""
+        from transformers import LlamaForCausalLM
+
+        if len(self.drafts) != 1:
+            raise ValueError("--init-from starts one draft; give exactly one --draft")
+        (name, draft), = self.drafts.items()
+        source = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
+        mine, theirs = draft.config, source.config
+        fields = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_key_value_heads")
+        if any(getattr(mine, f) != getattr(theirs, f) for f in fields):
+            raise ValueError(f"{path} is not a {name} draft: " + ", ".join(
+                f"{f} {getattr(theirs, f)} (want {getattr(mine, f)})" for f in fields if getattr(mine, f) != getattr(theirs, f)))
+        draft.load_state_dict(source.state_dict())
+        log.info("%s starts from %s", name, path)
 
     def _load_data(self) -> None:
         records = load_dir(self.cfg.data_dir)
