@@ -168,7 +168,7 @@ def test_three_unlucky_cycles_do_not_switch_a_cheap_draft_off_but_many_do():
     policy.observe_plain(0.040)
     feed(policy, 3, 4, 0, draft_s=0.004, verify_s=0.048)
     assert policy.next_k() > 0
-    pessimist = DraftLengthPolicy(initial=4, max_tokens=8, optimism=0.0)
+    pessimist = DraftLengthPolicy(initial=4, max_tokens=8, optimism=0.0, switch_off_after=1)
     pessimist.observe_plain(0.040)
     feed(pessimist, 3, 4, 0, draft_s=0.004, verify_s=0.048)
     assert pessimist.next_k() == 0
@@ -235,3 +235,27 @@ def test_a_multi_token_forward_may_cost_a_step_more_than_a_plain_one():
         cost.observe(n, seconds)
     assert cost.cost(1) == pytest.approx(0.040, abs=5e-4)
     assert cost.cost(2) == pytest.approx(0.050, abs=5e-4) and cost.cost(9) == pytest.approx(0.057, abs=5e-4)
+
+
+def test_switching_off_takes_two_verdicts_and_reprobes_back_off_from_four_to_probe_every():
+    """A wrong switch-off costs plain steps until the next probe, so one bad verdict is not enough,
+    and the first probe comes after first_probe_after plain steps; each probe that fails doubles
+    the wait, up to probe_every."""
+    policy = DraftLengthPolicy(initial=4, max_tokens=8, optimism=0.0, probe_every=16)
+    policy.observe_plain(0.040)
+    feed(policy, 3, 4, 0, draft_s=0.004, verify_s=0.048)  # the first verdict: plain
+    assert policy.next_k() == 4
+    feed(policy, 1, 4, 0, draft_s=0.004, verify_s=0.048)  # the second in a row
+    waits = []
+    for _ in range(5):
+        assert policy.next_k() == 0
+        plain_steps = 1
+        policy.observe_plain(0.040)
+        while (k := policy.next_k()) == 0:
+            plain_steps += 1
+            policy.observe_plain(0.040)
+        waits.append(plain_steps)
+        feed(policy, 1, k, 0, draft_s=0.004, verify_s=0.048)  # the probe fails
+    assert waits == [4, 8, 16, 16, 16]
+    feed(policy, 1, 4, 4, draft_s=0.004, verify_s=0.048)  # a probe that pays switches it on
+    assert policy.next_k() > 0

@@ -61,7 +61,9 @@ class DraftLengthPolicy:
     max_tokens: int = 8
     decay: float = 0.9  # weight of the past in every running estimate (recent text matters most)
     warmup_cycles: int = 3  # speculative cycles at `initial` before adapting
-    probe_every: int = 16  # plain cycles between re-probes once speculation is off
+    probe_every: int = 16  # plain cycles between re-probes once speculation is off (at most)
+    first_probe_after: int = 4  # plain cycles before the first re-probe; doubles per probe that fails
+    switch_off_after: int = 2  # consecutive cycles whose verdict is "plain" before switching off
     prior_acceptance: float = 0.5
     prior_trials: float = 2.0  # pseudo-trials: two lucky cycles don't mean a = 1
     optimism: float = 0.5  # standard errors of acceptance granted before speculation is switched off
@@ -88,6 +90,7 @@ class DraftLengthPolicy:
     _current: int = 0
     _probe_interval: int = 0  # plain cycles between probes now: probe_every, longer under load
     _limited_for: int = 0  # fixed length: cycles drafted under a trimmed limit so far
+    _off_votes: int = 0  # consecutive "plain" verdicts while speculating
     _calibration: ConfidenceCalibration = field(default_factory=ConfidenceCalibration)
     _best_rate: float | None = None  # tokens per second of best_k's choice
 
@@ -156,6 +159,7 @@ class DraftLengthPolicy:
         time and the cycle's overhead are not a steady cycle's and are left out of the costs (a
         long prompt's draft prefill once counted as 20 ms per drafted token and switched sessions off)."""
         rejected = 1 if num_accepted < k else 0
+        was_off, backoff = self._current == 0, self._probe_interval
         self._calibration.observe(tuple(confidences)[:k], num_accepted)
         if k > 0:  # the target verified a draft: the load lets speculation through again
             self._probe_interval = self.probe_every
@@ -173,7 +177,26 @@ class DraftLengthPolicy:
         if not self.adapt:
             self._restore_fixed_length()
         elif self._cycles >= self.warmup_cycles:
-            self._current = self.best_k()
+            self._current = self._decide(self.best_k(), was_off, backoff if k > 0 else None)
+
+    def _decide(self, best: int, was_off: bool, backoff: int | None) -> int:
+        """best_k's verdict, with hysteresis on switching off. A wrong switch-off costs a run of plain
+        steps until the next probe (16 each in a quiet CPU sweep, on prompts where every fixed k beat
+        plain decoding), so it takes switch_off_after verdicts in a row, and the first re-probe comes
+        after first_probe_after plain steps, each failed probe doubling the wait up to probe_every.
+        backoff: the wait before this cycle, if it was a verified probe (None otherwise)."""
+        if best > 0 or was_off:
+            self._off_votes = 0
+            if best == 0 and backoff is not None:  # a probe that did not pay: the next one later
+                self._probe_interval = min(2 * backoff, self.probe_every)
+            return best
+        self._off_votes += 1
+        if self._off_votes < self.switch_off_after:
+            return self._current
+        self._off_votes = 0
+        self._plain_since_probe = 0
+        self._probe_interval = min(self.first_probe_after, self.probe_every)
+        return 0
 
     def limit(self, num_tokens: int) -> None:
         """The target verified only num_tokens of the draft: it trimmed the rest because, in its
