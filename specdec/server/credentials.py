@@ -73,8 +73,13 @@ def channel_credentials(client: ClientSettings) -> grpc.ChannelCredentials | Non
     return creds
 
 
-class DefaultTimeoutInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
-    """Gives every call without a deadline `timeout_s`, so no internal call can hang forever."""
+class DefaultTimeoutInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
+    """Gives every unary call without a deadline `timeout_s`, so no internal call can hang forever.
+
+    Unary-unary only, and on purpose: grpc.aio files an interceptor under the first call kind it
+    subclasses, so a second base class would never run anyway, and the one streamed call (the public
+    Generate) must not get a 30 s default: a long generation outlives it. Its callers set their own
+    deadline (specdec.client: timeout_s, 600 s by default)."""
 
     def __init__(self, timeout_s: float):
         self._timeout_s = timeout_s
@@ -87,9 +92,6 @@ class DefaultTimeoutInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.U
         )
 
     async def intercept_unary_unary(self, continuation, client_call_details, request):
-        return await continuation(self._with_deadline(client_call_details), request)
-
-    async def intercept_unary_stream(self, continuation, client_call_details, request):
         return await continuation(self._with_deadline(client_call_details), request)
 
 
