@@ -64,6 +64,26 @@ def test_the_threshold_rises_with_the_draft_cost_and_asks_for_the_longest_draft(
     assert cheap.next_k() == 8  # the stop decides the length within the cap
 
 
+def test_one_more_token_is_priced_at_the_marginal_verify_cost_not_the_multi_token_step():
+    """On a CPU at one thread a verify of several tokens costs a step (t2) more than a plain step,
+    whatever its length. The stop weighs one more drafted token inside a block that already has
+    several: that adds t1, not t1 + t2 (pricing it at t1 + t2 stopped drafts after about two tokens
+    and lost 5-10% on half the categories of a quiet k-sweep)."""
+    flat, stepped = DraftLengthPolicy(initial=4, max_tokens=8), DraftLengthPolicy(initial=4, max_tokens=8)
+    for policy, jump in ((flat, 0.0), (stepped, 0.010)):
+        policy.observe_plain(0.040)
+        for i in range(40):
+            k = 2 + i % 4
+            accepted = (0, 1, 2, 3, 4)[i % 5] if i % 5 < k else k
+            policy.observe_cycle(k, accepted, 0.002 * k, 0.040 + jump + 0.001 * (k + 1), 0.003,
+                                 (0.95, 0.85, 0.7, 0.55, 0.45)[:k])
+        policy.observe_plain(0.040)
+    marginal = stepped.verify_cost(4) - stepped.verify_cost(3)
+    assert marginal == pytest.approx(0.001, abs=2e-4)
+    # Same marginal cost, lower best rate (every cycle dearer): never a higher threshold.
+    assert 0.0 < stepped.stop_below() <= flat.stop_below()
+
+
 def test_a_fixed_length_never_stops_by_confidence():
     fixed = DraftLengthPolicy(initial=4, max_tokens=4, adapt=False)
     _warm(fixed, draft_s=0.004)

@@ -142,7 +142,9 @@ class DraftLengthPolicy:
         expected tokens: worth it while that beats the best rate, rate * cost / a."""
         if not self._stops_by_confidence():
             return 0.0
-        step = max(0.0, self.verify_cost(2) - self.verify_cost(1))
+        # One more token inside a block that already has some: the verify's marginal token (t1),
+        # not the jump from a plain step to a multi-token verify (t1 + t2), which the block pays once.
+        step = max(0.0, self.verify_cost(3) - self.verify_cost(2))
         needed = self._best_rate * (self._draft_s + step) / max(self.acceptance, 1e-3)
         return self._calibration.threshold(needed)
 
