@@ -18,7 +18,6 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from specdec.generation.refusals import TargetRefusals
 from specdec.store import ReplicaRegistry
 
 from coordinator.requests import Pool
@@ -58,7 +57,6 @@ class Router:
         self._failed_at: dict[str, float] = {}
         self._sessions: collections.Counter[str] = collections.Counter()  # turns running here
         self._refused: set[tuple[str, str]] = set()  # (draft endpoint, target fingerprint) pairs
-        self._target_refusals: dict[str, TargetRefusals] = {}
 
     # ---- clients --------------------------------------------------------------------------
 
@@ -104,11 +102,6 @@ class Router:
 
     def release(self, *endpoints: str) -> None:
         self._sessions.subtract(e for e in endpoints if e)
-
-    def target_refusals(self, endpoint: str) -> TargetRefusals:
-        """What this target replica's draft trimming said last, shared by the turns running on it
-        (a turn that starts while it refuses every draft starts by decoding plainly)."""
-        return self._target_refusals.setdefault(endpoint, TargetRefusals(clock=self.clock))
 
     # ---- choice ---------------------------------------------------------------------------
 

@@ -196,8 +196,7 @@ class Turn:
                                      adaptive=adaptive, max_draft_tokens=self.settings.max_adaptive_tokens,
                                      pipelining=pipelining, pipeline_min_full_accept=gate,
                                      pipeline_branches=self.settings.pipeline_branches)
-        loop = SpeculativeLoop(self.target, self.draft, loop_settings, self.observer,
-                               refusals=self.router.target_refusals(plan.target_endpoint))
+        loop = SpeculativeLoop(self.target, self.draft, loop_settings, self.observer)
         return await loop.run(self.cursor, self.stop, self._emit)
 
     async def _emit(self, token_ids: list[int]) -> None:

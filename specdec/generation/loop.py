@@ -22,7 +22,6 @@ from specdec.engine.api import DraftAPI, TargetAPI
 from specdec.engine.cycle_cost import CycleCost, measure_cycle
 from specdec.generation.adaptive import DraftLengthPolicy
 from specdec.generation.pipeline import PipelinedDrafting
-from specdec.generation.refusals import TargetRefusals
 from specdec.generation.stats import SpeculationStats
 from specdec.generation.stopping import FinishReason, StopChecker
 from specdec.sampling.params import SamplingParams
@@ -106,7 +105,6 @@ class SpeculativeLoop:
         draft: DraftAPI | None,
         settings: LoopSettings | None = None,
         observer: LoopObserver | None = None,
-        refusals: TargetRefusals | None = None,
     ):
         self.target = target
         self.draft = draft
@@ -125,9 +123,6 @@ class SpeculativeLoop:
             self.policy = DraftLengthPolicy(k, self.settings.max_draft_tokens)
         elif draft is not None and k > 0:  # a fixed length too yields to the loaded target's trimming
             self.policy = DraftLengthPolicy(k, k, adapt=False)
-        self.refusals = refusals  # shared with the coordinator's other sessions on this target
-        if self.policy is not None and refusals is not None and refusals.refusing():
-            self.policy.limit(0)  # start as a session whose draft the loaded target refused
         self.pipeline = PipelinedDrafting(self) if self.settings.pipelining and draft is not None else None
 
     async def run(self, cursor: SessionCursor, stop: StopChecker, emit: TokenSink) -> GenerationResult:
@@ -184,8 +179,6 @@ class SpeculativeLoop:
                                       confidences, steady=not catching_up)
             if outcome.num_drafted < num_proposed:  # the loaded target trimmed the draft
                 self.policy.limit(outcome.num_drafted)
-            if self.refusals is not None:
-                self.refusals.observe(num_proposed, outcome.num_drafted)
 
     def _draft_length(self, cursor: SessionCursor, stop: StopChecker, ahead: int = 0) -> int:
         """For a block that starts `ahead` tokens past the committed sequence (pipelining)."""
