@@ -117,7 +117,9 @@ def passage_tasks(
     for _ in range(n):
         family = rng.choices(families, weights)[0]
         template = rng.choice(seeds.passage_tasks[family])
-        count = {"rag": rng.randint(1, 3), "summarization": rng.randint(1, max(1, summary_passages))}.get(family, 1)
+        # Both counts are drawn for every task, whatever its family: chunks depend on this draw order.
+        rag_count, summary_count = rng.randint(1, 3), rng.randint(1, max(1, summary_passages))
+        count = {"rag": rag_count, "summarization": summary_count}.get(family, 1)
         group = rng.sample(sources, min(len(sources), count))
         if family == "summarization" and news_sources and rng.random() < NEWS_SOURCE_PREFERENCE:
             group[0] = rng.choice(news_sources)

@@ -146,9 +146,10 @@ class Trainer:
         source = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
         mine, theirs = draft.config, source.config
         fields = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_key_value_heads")
-        if any(getattr(mine, f) != getattr(theirs, f) for f in fields):
-            raise ValueError(f"{path} is not a {name} draft: " + ", ".join(
-                f"{f} {getattr(theirs, f)} (want {getattr(mine, f)})" for f in fields if getattr(mine, f) != getattr(theirs, f)))
+        differ = [f"{f} {getattr(theirs, f)} (want {getattr(mine, f)})" for f in fields
+                  if getattr(mine, f) != getattr(theirs, f)]
+        if differ:
+            raise ValueError(f"{path} is not a {name} draft: " + ", ".join(differ))
         draft.load_state_dict(source.state_dict())
         log.info("%s starts from %s", name, path)
 

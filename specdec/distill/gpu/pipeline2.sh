@@ -8,13 +8,7 @@ DEV=${DEV:-cuda}
 DRAFT=${DRAFT:-h256-l3-i768-kv2}
 GEN_EXTRA=${GEN_EXTRA:-}
 TRAIN_ARGS=${TRAIN_ARGS:---batch-tokens 32768 --max-len 1280 --eval-every 300 --save-every 1000 --log-every 20 --warmup-steps 100}
-export PYTHONPATH=/tmp/site:$W/code PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-cd $W || exit 1
-stage() { echo "=== $(date +%T) $*"; }
-mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
-if [ "${mem:-0}" -gt 100000 ]; then GB=4096; GT=1310720; else GB=1536; GT=655360; fi
-stage export
-[ -f $W/target/model.safetensors ] || python3 -c "from specdec.distill.target import export_hf; export_hf('$GGUF', '$W/target')" || exit 1
+source "$(dirname "$0")/setup.sh"  # environment, stage(), GB/GT, the exported target; cd $W
 stage generate-data in background
 if [ ! -f $W/gen.done ]; then
   (python3 -m specdec.distill generate-data --target $W/target --out $W/data --first-chunk 3 --chunks 400 --prompts-per-chunk 8192 --batch-size $GB --max-batch-tokens $GT --time-budget $GEN_S --device $DEV $GEN_EXTRA > $W/gen.log 2>&1; touch $W/gen.done) &

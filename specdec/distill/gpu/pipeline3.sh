@@ -12,13 +12,7 @@ DRAFT=${DRAFT:-h256-l3-i768-kv2}
 INIT=${INIT:-$W/code/specdec/data/drafts/smollm2-135m-draft}
 GEN_ARGS=${GEN_ARGS:---first-chunk 100 --chunks 400 --prompts-per-chunk 4096 --passage-fraction 0.6 --summary-passages 3}
 TRAIN_ARGS=${TRAIN_ARGS:---lr 1e-3 --warmup-steps 50 --batch-tokens 32768 --max-len 1280 --eval-every 300 --save-every 500 --log-every 20}
-export PYTHONPATH=/tmp/site:$W/code PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-cd $W || exit 1
-stage() { echo "=== $(date +%T) $*"; }
-mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
-if [ "${mem:-0}" -gt 100000 ]; then GB=4096; GT=1310720; else GB=1536; GT=655360; fi
-stage export
-[ -f $W/target/model.safetensors ] || python3 -c "from specdec.distill.target import export_hf; export_hf('$GGUF', '$W/target')" || exit 1
+source "$(dirname "$0")/setup.sh"  # environment, stage(), GB/GT, the exported target; cd $W
 stage make-eval
 [ -f $W/eval.npz ] || python3 -m specdec.distill make-eval --target $W/target --prompts $W/dev.jsonl --out $W/eval.npz --max-new-tokens 256 --dtype float32 || exit 1
 stage generate-data in background
