@@ -15,9 +15,10 @@ not answer is replaced by another one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from typing import Awaitable, Callable, Sequence
+from typing import AsyncIterator, Awaitable, Callable, Sequence
 
 from specdec.errors import PositionMismatch, ServiceUnavailable, SessionExists, SessionNotFound, SpecDecError
 from specdec.sampling.params import SamplingParams
@@ -94,6 +95,35 @@ class SessionTarget:
             lambda e: self._realign(e, position),
         )
 
+    async def decode_stream(
+        self, session_id: str, position: int, num_tokens: int, append_token_ids: Sequence[int] = (),
+        stop_token_ids: Sequence[int] = (),
+    ) -> AsyncIterator[list[int]]:
+        """The replica's DecodeStream; after a recoverable error it recovers as every call does and
+        resumes after the last token read (the loop has committed it by then), for up to
+        failover_timeout_s since the last token."""
+        appended, left, stops = list(append_token_ids), num_tokens, frozenset(stop_token_ids)
+        deadline, delay, error = self.clock() + self.failover_timeout_s, 0.05, None
+        ended = False  # the run is complete: an error after its last token needs no resuming
+        while not ended:
+            try:
+                if error is not None:
+                    delay = await self._recover(error, lambda e: self._realign(e, position), delay)
+                stream = self.client.decode_stream(session_id, position, left, appended, stop_token_ids)
+                async with contextlib.aclosing(stream):  # closing this closes the replica's stream now
+                    async for tokens in stream:
+                        position += len(appended) + len(tokens)
+                        appended, left, error = [], left - len(tokens), None
+                        ended = left <= 0 or bool(tokens) and tokens[-1] in stops
+                        deadline = self.clock() + self.failover_timeout_s
+                        yield tokens
+                return
+            except RECOVERABLE as exc:
+                if self.clock() >= deadline:
+                    raise
+                log.warning("session %s on target %s: %s; recovering", self.session_id, self.endpoint, exc)
+                error = exc
+
     async def truncate(self, session_id: str, position: int) -> int:
         return await self._retrying(
             lambda c: c.truncate(session_id, position), lambda e: self._realign(e, position)
@@ -120,18 +150,24 @@ class SessionTarget:
         while True:
             try:
                 if error is not None:
-                    await self.guard()
-                    if isinstance(error, ServiceUnavailable):
-                        await self._move()
-                        await asyncio.sleep(delay)
-                        delay = min(2 * delay, 1.0)
-                    await recover(error)
+                    delay = await self._recover(error, recover, delay)
                 return await call(self.client)
             except RECOVERABLE as exc:
                 if self.clock() >= deadline:
                     raise
                 log.warning("session %s on target %s: %s; recovering", self.session_id, self.endpoint, exc)
                 error = exc
+
+    async def _recover(self, error: Exception, recover, delay: float) -> float:
+        """Before a retry: stop if the turn must, leave a replica that did not answer (after
+        `delay`), rebuild the session; the delay before the next such retry."""
+        await self.guard()
+        if isinstance(error, ServiceUnavailable):
+            await self._move()
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 1.0)
+        await recover(error)
+        return delay
 
     async def _move(self) -> None:
         """Leave an endpoint that did not answer: another live one if any, else the same again."""

@@ -86,7 +86,8 @@ def build(settings: CoordinatorSettings, *, tracer_provider=None, registry=None,
         turn=TurnSettings(settings.num_draft_tokens, settings.retry_draft_after, settings.owner_lease_s / 3,
                           settings.failover_timeout_s, settings.adaptive_draft_length,
                           settings.limits.max_draft_tokens, settings.pipelining,
-                          settings.pipelining_min_full_accept, settings.pipeline_branches),
+                          settings.pipelining_min_full_accept, settings.pipeline_branches,
+                          plain_streaming=settings.plain_streaming),
     )
     sessions = SessionManager(store, router, prompts, telemetry, settings.limits, config, status_name)
     canary = None

@@ -51,6 +51,7 @@ class CoordinatorSettings:
     pipelining: bool = False  # draft the next block while the target verifies (requests may override)
     pipelining_min_full_accept: float = 0.0  # --pipelining auto: only while blocks are accepted whole this often
     pipeline_branches: int = 1  # branches per speculative draft (specdec.engine.alternatives)
+    plain_streaming: bool = True  # --plain-decoding stream: a run of plain steps is one DecodeStream
     limits: Limits = Limits()
     session_ttl_s: float = 3600.0
     owner_lease_s: float = 10.0
@@ -120,6 +121,11 @@ def add_arguments(parser: argparse.ArgumentParser, environ=os.environ) -> None:
                    help="pipelined cycles: branches the draft drafts per speculative block, for that many "
                         "verify outcomes: 1 all accepted with the draft's own bonus guess; 2 also a second "
                         "bonus guess; 3 also all but the last token accepted (docs/PIPELINING.md)")
+    g.add_argument("--plain-decoding", choices=["stream", "calls"], default="stream",
+                   help="stream: a run of plain decoding steps (the baseline pool, speculation switched off or "
+                        "failed) is one streamed call, the target starting each step while the last token "
+                        "travels; calls: one Decode call per token (targets older than DecodeStream are "
+                        "detected and get calls anyway)")
     g.add_argument("--retry-draft-after", type=int, default=8,
                    help="plain decoding steps after a draft failure before speculation is tried again")
     g.add_argument("--max-new-tokens", type=int, default=256, help="a turn's budget when the request sets none")
@@ -152,7 +158,7 @@ def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
         num_draft_tokens=args.num_draft_tokens, adaptive_draft_length=args.draft_length == "adaptive",
         retry_draft_after=args.retry_draft_after, pipelining=args.pipelining != "off",
         pipelining_min_full_accept=args.pipelining_min_full_accept if args.pipelining == "auto" else 0.0,
-        pipeline_branches=args.pipeline_branches,
+        pipeline_branches=args.pipeline_branches, plain_streaming=args.plain_decoding == "stream",
         limits=Limits(args.max_new_tokens, args.max_new_tokens_limit, args.max_draft_tokens),
         session_ttl_s=args.session_ttl, owner_lease_s=args.owner_lease, failover_timeout_s=args.failover_timeout,
         redis_timeout_s=args.redis_timeout,

@@ -70,6 +70,7 @@ class TurnSettings:
     pipelining: bool = False  # a request not naming speculation.pipelined gets this (--pipelining)
     pipelining_min_full_accept: float = 0.0  # --pipelining auto's gate; a request asking for pipelining gets 0
     pipeline_branches: int = 1  # --pipeline-branches
+    plain_streaming: bool = True  # --plain-decoding
 
 
 @dataclass(frozen=True)
@@ -195,7 +196,8 @@ class Turn:
         loop_settings = LoopSettings(fixed or self.settings.num_draft_tokens, self.settings.retry_draft_after,
                                      adaptive=adaptive, max_draft_tokens=self.settings.max_adaptive_tokens,
                                      pipelining=pipelining, pipeline_min_full_accept=gate,
-                                     pipeline_branches=self.settings.pipeline_branches)
+                                     pipeline_branches=self.settings.pipeline_branches,
+                                     stream_plain=self.settings.plain_streaming)
         loop = SpeculativeLoop(self.target, self.draft, loop_settings, self.observer)
         return await loop.run(self.cursor, self.stop, self._emit)
 

@@ -144,22 +144,10 @@ def build_engine(settings: DraftServiceSettings):
         info, top_m = model.info, settings.top_m
     engine = DraftEngine(proposer, idle_ttl_s=settings.session_ttl_s, max_draft_tokens=settings.max_draft_tokens)
     if settings.test_delay_ms > 0:  # begin_propose: every Propose passes it, batched or not
-        engine.begin_propose = _slowed(engine.begin_propose, settings.test_delay_ms / 1000)
+        engine.begin_propose = service.test_delayed(engine.begin_propose, settings.test_delay_ms / 1000, "Propose")
     config = DraftServiceConfig(info, tokenizer.vocab_fingerprint, tokenizer.eos_token_ids, settings.num_draft_tokens,
                                 top_m, info.max_context)
     return engine, config
-
-
-def _slowed(propose, delay_s: float):
-    """TEST ONLY (--test-delay-ms): propose, after sleeping on the model thread."""
-    import time
-
-    log.warning("TEST ONLY: every Propose is delayed by %.0f ms (--test-delay-ms)", delay_s * 1000)
-
-    def slowed(*args, **kwargs):
-        time.sleep(delay_s)
-        return propose(*args, **kwargs)
-    return slowed
 
 
 async def serve_draft(settings: DraftServiceSettings, engine, config, tracer_provider=None) -> None:

@@ -14,22 +14,31 @@ grpc.aio.AioRpcError: they are configuration or server bugs, not conditions to h
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import AsyncIterator, Sequence
+
+import grpc
+import grpc.aio
 
 from specdec import errors
-from specdec.engine.cycle_cost import TARGET
+from specdec.engine.cycle_cost import TARGET, report_model_time
 from specdec.models.base import ModelInfo
 from specdec.rpc import target_pb2, target_pb2_grpc
 from specdec.rpc_convert import (
     model_info_from_proto,
     pack_distributions,
     sampling_params_to_proto,
+    server_timing_seconds,
     verify_outcome_from_proto,
 )
 from specdec.sampling.params import SamplingParams
-from specdec.server.client_base import ServiceClient, ServiceDescription
+from specdec.server.client_base import ServiceClient, ServiceDescription, domain_error
 from specdec.types import DraftBlock, VerifyOutcome
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -87,9 +96,80 @@ class TargetClient(ServiceClient):
         response = await self._timed_call(self._stub.Decode, request, session_id, position)
         return list(response.token_ids)
 
+    async def decode_stream(
+        self,
+        session_id: str,
+        position: int,
+        num_tokens: int,
+        append_token_ids: Sequence[int] = (),
+        stop_token_ids: Sequence[int] = (),
+    ) -> AsyncIterator[list[int]]:
+        """decode(), streamed (DecodeStream): each step's token(s) as the target commits them, while
+        it already computes the next. Every message must come within timeout_s (the stream as a
+        whole has no deadline: a long plain run takes longer than any one call). Closing the
+        iterator early cancels the stream; the target may have committed a step more than was
+        read, so the caller truncates to where it stopped reading before anything else. A target
+        older than DecodeStream (UNIMPLEMENTED) gets one Decode call per step, from then on."""
+        if num_tokens < 0:  # uint32 on the wire: refuse here rather than wrap around
+            raise errors.InvalidArgument(f"num_tokens must be >= 0, got {num_tokens}")
+        if not self._decode_stream_unimplemented:
+            try:
+                async for tokens in self._streamed(session_id, position, num_tokens, append_token_ids, stop_token_ids):
+                    yield tokens
+                return
+            except _Unimplemented:
+                self._decode_stream_unimplemented = True
+                log.warning("the target service at %s has no DecodeStream (an older version): plain decoding "
+                            "makes one Decode call per token", self.channel)
+        stop, start = frozenset(stop_token_ids), position + len(append_token_ids)
+        tokens = await self.decode(session_id, position, min(num_tokens, 1), append_token_ids)
+        yield tokens
+        for position in range(start + len(tokens), start + num_tokens):
+            if tokens[-1] in stop:
+                return
+            tokens = await self.decode(session_id, position, 1)
+            yield tokens
+
+    _decode_stream_unimplemented = False
+
+    async def _streamed(self, session_id: str, position: int, num_tokens: int, append_token_ids: Sequence[int],
+                        stop_token_ids: Sequence[int]) -> AsyncIterator[list[int]]:
+        request = target_pb2.TargetServiceDecodeStreamRequest(
+            session_id=session_id, position=position, append_token_ids=list(append_token_ids),
+            num_tokens=num_tokens, stop_token_ids=list(stop_token_ids),
+        )
+        call = self._stub.DecodeStream(request, metadata=self.metadata or None)
+        last = time.perf_counter()
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout(self.timeout_s):
+                        response = await call.read()
+                except TimeoutError:
+                    raise errors.ServiceUnavailable(
+                        f"{self.SERVICE} sent no token for {self.timeout_s} s (DecodeStream)") from None
+                except grpc.aio.AioRpcError as err:
+                    if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+                        raise _Unimplemented() from err
+                    raise domain_error(err, self.SERVICE, session_id, position) from err
+                if response is grpc.aio.EOF:
+                    return
+                now = time.perf_counter()
+                timing = server_timing_seconds(response)
+                if timing is not None:
+                    report_model_time(self.ROLE, *timing, now - last)
+                last = now
+                yield list(response.token_ids)
+        finally:
+            call.cancel()  # a no-op once the stream ended
+
     async def describe(self) -> TargetDescription:
         msg = (await self._call(self._stub.GetInfo, target_pb2.TargetServiceGetInfoRequest())).model
         return TargetDescription(model=model_info_from_proto(msg), **ServiceDescription.fields_from_proto(msg))
+
+
+class _Unimplemented(Exception):
+    """The target has no DecodeStream (an older version): it said so before sending anything."""
 
 
 # A TargetClient on a new channel with TLS, deadlines and tracing: see ServiceClient.connect.

@@ -44,6 +44,7 @@ class TargetServiceSettings:
     max_draft_tokens: int = 64
     ready_file: Path | None = None
     test_fault: str | None = None  # TEST ONLY: TargetEngine(fault_injection=...), docs/CANARY.md
+    test_delay_ms: int = 0  # TEST ONLY: every forward sleeps this long (a large target's flat step cost)
     batching: service.BatchSettings = service.BatchSettings()
     trim_drafts: bool = True  # --draft-trimming goodput
     trim_margin: float = 0.0  # --trim-margin: the goodput gain drafts must bring (DraftTrimmer.margin)
@@ -65,6 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--test-fault", choices=["wrong-bonus"], default=None,
                    help="TEST ONLY: corrupt verification (every bonus token) so that the canary's equality "
                         "check has a bug to catch (docs/CANARY.md); never in production")
+    g.add_argument("--test-delay-ms", type=int, default=0,
+                   help="TEST ONLY: make every forward this much slower, however many tokens it feeds (the "
+                        "flat step cost of a large memory-bound target, on tiny test models)")
     service.add_model_arguments(g, num_slots_help="sessions whose KV caches fit at once")
     service.add_batching_arguments(g, what="Verify and Decode steps")
     g.add_argument("--draft-trimming", choices=["goodput", "off"], default="goodput",
@@ -81,7 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def settings_from_args(args: argparse.Namespace) -> TargetServiceSettings:
     return TargetServiceSettings(
         server=server_settings_from_args(args, service=SERVICE), model=args.model,
-        max_draft_tokens=args.max_draft_tokens, test_fault=args.test_fault,
+        max_draft_tokens=args.max_draft_tokens, test_fault=args.test_fault, test_delay_ms=args.test_delay_ms,
         batching=service.batch_settings_from_args(args), trim_drafts=args.draft_trimming == "goodput",
         trim_margin=args.trim_margin,
         **service.model_settings_from_args(args),
@@ -118,6 +122,8 @@ def run(settings: TargetServiceSettings) -> int:
                        cuda_graphs=settings.cuda_graphs, compile_layers=settings.compile_layers)
     if settings.test_fault:
         log.warning("TEST ONLY: verification is corrupted on purpose (--test-fault %s)", settings.test_fault)
+    if settings.test_delay_ms > 0:
+        model.forward = service.test_delayed(model.forward, settings.test_delay_ms / 1000, "target forward")
     engine = TargetEngine(model, idle_ttl_s=settings.session_ttl_s, fault_injection=settings.test_fault)
     tokenizer = tokenizer_facts(model_dir)
     return service.run_traced(settings.server, lambda provider: serve_target(settings, engine, tokenizer, provider))

@@ -12,17 +12,25 @@ everything queued as one batched engine step (specdec.engine.batch: one forward 
 different positions and lengths); a call that arrives during a step joins the next. A multi-token
 Decode is a sequence of one-token steps, each joining a batch. StartSession (prefill), Truncate and
 EndSession run on the same model thread directly.
+
+DecodeStream streams a multi-token Decode token by token, and submits each next step before it
+writes the token just made, so the model never waits for the caller's round trip. A caller that
+stops reading early (a stop sequence) cancels the stream and truncates; since it cannot know how far
+the stream got, every other call of the session first ends the session's stream (end_stream): its
+step still queued is dropped, and a step already on the model thread finishes before the new call's
+work, which runs on the same thread after it, so the caller's Truncate undoes it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 from typing import Any, Callable, Iterable
 
 from specdec.engine.batch import DecodeWork, VerifyWork, run_target_batch
 from specdec.engine.goodput import DraftTrimmer, run_trimmed_batch
-from specdec.engine.batcher import Batcher, StepTiming, decode_steps
+from specdec.engine.batcher import Batcher, StepTiming, decode_step_stream, decode_steps
 from specdec.engine.target import TargetEngine
 from specdec.errors import InvalidArgument
 from specdec.observability.metrics import TargetMetrics
@@ -73,6 +81,7 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
         self.batcher = Batcher(executor, step,
                                max_batch_size=batching.max_batch_size, batch_wait_s=batching.batch_wait_s,
                                gather=batching.gather, on_step=self._observe_batch)
+        self._streams: dict[str, _Stream] = {}  # session -> its DecodeStream in progress
         self._evictions_seen = engine.evictions
         self._trimmed_seen = 0
         self.update_gauges()
@@ -81,6 +90,7 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
 
     async def StartSession(self, request, context):
         check_session_id(request.session_id)
+        self.end_stream(request.session_id)
         params = sampling_params_from_proto(request.sampling)
         tokens = list(request.token_ids)
         annotate(**{SPECDEC_SESSION_ID: request.session_id, "specdec.num_prompt_tokens": len(tokens)})
@@ -96,6 +106,7 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
     async def Verify(self, request, context):
         received_ns = time.perf_counter_ns()
         check_session_id(request.session_id)
+        self.end_stream(request.session_id)
         k = len(request.draft_token_ids)
         annotate(**{SPECDEC_SESSION_ID: request.session_id, SPECDEC_POSITION: request.position,
                     SPECDEC_NUM_DRAFT_TOKENS: k, SPECDEC_DRAFT_EPOCH: request.draft_epoch})
@@ -115,6 +126,7 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
     async def Decode(self, request, context):
         received_ns = time.perf_counter_ns()
         check_session_id(request.session_id)
+        self.end_stream(request.session_id)
         appended = list(request.append_token_ids)
         annotate(**{SPECDEC_SESSION_ID: request.session_id, SPECDEC_POSITION: request.position,
                     "specdec.num_appended_tokens": len(appended), "specdec.num_tokens": request.num_tokens})
@@ -126,6 +138,50 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
             token_ids=tokens, position=request.position + len(appended) + len(tokens),
             timing=server_timing_to_proto(timing.model_ns, timing.queued_ns, received_ns),
         )
+
+    async def DecodeStream(self, request, context):
+        started_ns = time.perf_counter_ns()
+        session_id = request.session_id
+        check_session_id(session_id)
+        self.end_stream(session_id)
+        appended = list(request.append_token_ids)
+        annotate(**{SPECDEC_SESSION_ID: session_id, SPECDEC_POSITION: request.position,
+                    "specdec.num_appended_tokens": len(appended), "specdec.num_tokens": request.num_tokens})
+        steps = decode_step_stream(self.batcher, session_id, request.position, request.num_tokens, appended,
+                                   request.stop_token_ids)
+        stream = self._streams[session_id] = _Stream()
+        position, generated = request.position + len(appended), 0
+        try:
+            stream.next_step(steps)
+            while stream.step is not None:
+                try:
+                    tokens, cost = await stream.step
+                except StopAsyncIteration:
+                    break
+                except asyncio.CancelledError:
+                    if stream.ended:  # another call of the session ended it (see the module's doc)
+                        break
+                    raise
+                if stream.ended:  # ended after this step ran: its caller's Truncate undoes it
+                    break
+                position += len(tokens)
+                generated += len(tokens)
+                stream.next_step(steps)  # the next step runs while this token is written
+                yield target_pb2.TargetServiceDecodeStreamResponse(
+                    token_ids=tokens, position=position,
+                    timing=server_timing_to_proto(cost.model_ns, cost.queued_ns, started_ns),
+                )
+                started_ns = time.perf_counter_ns()
+        finally:
+            stream.end()
+            if self._streams.get(session_id) is stream:
+                del self._streams[session_id]
+            annotate(**{"specdec.num_generated_tokens": generated})
+
+    def end_stream(self, session_id: str) -> None:
+        stream = self._streams.pop(session_id, None)
+        if stream is not None:
+            stream.end()
 
     async def GetInfo(self, request, context):
         model = self.engine.model
@@ -152,6 +208,7 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
 
     def forget_sessions(self, session_ids: Iterable[str]) -> None:
         for session_id in session_ids:
+            self.end_stream(session_id)
             self.batcher.forget(session_id)
 
     async def aclose(self) -> None:
@@ -185,3 +242,21 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
             self.metrics.trimmed_draft_tokens.inc(self.trimmer.trimmed_tokens - self._trimmed_seen)
             self._trimmed_seen = self.trimmer.trimmed_tokens
         self.update_gauges()
+
+
+class _Stream:
+    """A DecodeStream in progress: the task of its next step (None once it ended)."""
+
+    def __init__(self) -> None:
+        self.step: asyncio.Task | None = None
+        self.ended = False
+
+    def next_step(self, steps) -> None:
+        self.step = None if self.ended else asyncio.ensure_future(anext(steps))
+
+    def end(self) -> None:
+        """No further step: one still queued in the batcher is dropped (cancelling the task cancels
+        the future it awaits at once, and the batcher skips cancelled work)."""
+        self.ended = True
+        if self.step is not None and not self.step.done():
+            self.step.cancel()

@@ -226,6 +226,8 @@ def test_method_choice_reports_what_is_not_built_or_lacks_a_draft():
     run, _ = choose_methods(["specdec-replay-pipelined"], have_draft=True, replay_alphas=(0.8,))
     assert run == ["specdec-replay-0.8", "specdec-replay-0.8-pipelined"]
     assert proposer_of("specdec-replay-0.8-pipelined") == "replay-0.8"
+    assert "plain-calls" not in choose_methods(None, have_draft=True)[0]  # a diagnostic: opt-in
+    assert choose_methods(["plain-calls", "plain"], have_draft=False)[0] == ["plain", "plain-calls"]
     run, _ = choose_methods(["plain", "specdec-draft"], have_draft=True, replay_alphas=(0.8,))
     assert run == ["plain", "specdec-draft", "specdec-replay-0.8"]
     assert proposer_of("specdec-replay-0.8") == "replay-0.8" and proposer_of("specdec-draft@server") == "draft-model"

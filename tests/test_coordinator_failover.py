@@ -1,6 +1,6 @@
 """The coordinator when things break: a draft with another vocabulary, replicas found in Redis,
 kill -9 of the coordinator, of the draft service and of one of two target replicas, each in the
-middle of a stream. The output never changes.
+middle of a stream, and a target that hangs in the middle of a plain run. The output never changes.
 
 All processes start together, once: two targets, a draft to kill, a random draft, an n-gram draft
 with a different tokenizer, and a coordinator subprocess to kill. The kill tests come last.
@@ -25,6 +25,7 @@ from service_procs import launch, stop_all, tiny_model_dir, wait_all
 from specdec.models.tokenizer import load_tokenizer
 from specdec.rpc import coordinator_pb2 as pb
 from specdec.rpc import coordinator_pb2_grpc
+from specdec.server.settings import ClientSettings
 from specdec.store import Replica, ReplicaRegistry
 from specdec.testing.tiny_models import TINY_EOS_ID
 
@@ -159,6 +160,31 @@ async def test_kill_9_of_the_draft_mid_stream_changes_nothing_but_speed(redis_ur
     assert got[-1].stats.fallbacks >= 1 and got[-1].stats.decode_steps > 0 and got[-1].stats.cycles > 0
     assert 'specdec_coordinator_fallbacks_total{pool="speculative",proposer="draft-model",reason="unavailable"}' \
         in metrics
+
+
+async def test_a_target_that_hangs_mid_way_through_a_plain_run_loses_the_session_to_another(
+    redis_url, dirs, services, reference
+):
+    """Plain decoding is one streamed call per run: a target that stops answering in the middle of it
+    is left after the client's per-message deadline, and the run resumes on the other replica from
+    the last token read."""
+    targets = [services["t1"].address, services["t2"].address]
+    async with running_coordinator(redis_url, dirs["target"], targets, [],
+                                   target_client=ClientSettings(plaintext=True, timeout_s=1.5)) as c:
+        call = c.stub.Generate(request(prompt=PROMPT, max_new_tokens=80, pool=pb.POOL_BASELINE))
+        got = await read_some(call, 3)
+        session_id = got[0].session_id
+        before = (await c.session(session_id)).target_replica
+        victim = next(p for p in (services["t1"], services["t2"]) if p.address == before)
+        victim.signal(signal.SIGSTOP)
+        try:
+            got += [m async for m in call]
+        finally:
+            victim.signal(signal.SIGCONT)
+        after = (await c.session(session_id)).target_replica
+    assert tokens_of(got) == expected(reference, 80)
+    assert got[-1].stats.pool == pb.POOL_BASELINE and got[-1].stats.cycles == 0
+    assert after in targets and after != before
 
 
 async def test_kill_9_of_one_of_two_targets_mid_stream_moves_the_session(redis_url, dirs, services, reference):

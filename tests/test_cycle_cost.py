@@ -114,8 +114,18 @@ class _FakeTarget:
         report_model_time(TARGET, self.model_s)
         return [position % 50 + 1]
 
+    async def decode_stream(self, session_id, position, num_tokens, append_token_ids=(), stop_token_ids=()):
+        self.streams += 1
+        await asyncio.sleep(self.rpc_s)  # one round trip for the whole run
+        for i in range(num_tokens):
+            time.sleep(self.model_s)
+            report_model_time(TARGET, self.model_s)
+            yield [(position + i) % 50 + 1]
+
     async def truncate(self, session_id, position):
         return position
+
+    streams = 0
 
 
 async def test_the_loop_accounts_every_cycle_and_tells_the_observer():
@@ -123,7 +133,7 @@ async def test_the_loop_accounts_every_cycle_and_tells_the_observer():
     from specdec.sampling.params import SamplingParams
 
     observer = _CountingObserver()
-    loop = SpeculativeLoop(_FakeTarget(0.004, 0.003), None, LoopSettings(), observer)
+    loop = SpeculativeLoop(_FakeTarget(0.004, 0.003), None, LoopSettings(stream_plain=False), observer)
     cursor = SessionCursor("s", SamplingParams(), [1, 2, 3], max_context=100)
 
     async def emit(tokens):
@@ -137,3 +147,23 @@ async def test_the_loop_accounts_every_cycle_and_tells_the_observer():
     assert stats.overhead_seconds >= 5 * 0.003
     assert stats.cycle_seconds == pytest.approx(sum(c.wall_s for c in observer.costs))
     assert all(c.overhead_fraction > 0.3 for c in observer.costs)
+
+
+async def test_a_streamed_plain_run_pays_its_round_trip_once_and_accounts_every_token():
+    from specdec.generation.loop import SessionCursor
+    from specdec.sampling.params import SamplingParams
+
+    observer, target = _CountingObserver(), _FakeTarget(0.004, 0.003)
+    loop = SpeculativeLoop(target, None, LoopSettings(), observer)
+    cursor = SessionCursor("s", SamplingParams(), [1, 2, 3], max_context=100)
+
+    async def emit(tokens):
+        pass
+
+    result = await loop.run(cursor, StopChecker(5, ()), emit)
+    stats: SpeculationStats = result.stats
+    assert result.token_ids == [4, 5, 6, 7, 8]  # the fake's tokens: position % 50 + 1
+    assert target.streams == 1  # no draft: the whole budget is one run
+    assert stats.timed_cycles == stats.decode_steps == 5 == len(observer.costs)
+    assert stats.target_model_seconds == pytest.approx(5 * 0.004)
+    assert observer.costs[0].overhead_s >= 0.003  # the run's one round trip lands in its first token

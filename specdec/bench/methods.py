@@ -18,6 +18,7 @@ from specdec.bench.prompts import Prompt
 # name -> what it is. The order is the order of tables and plots.
 CATALOG: dict[str, str] = {
     "plain": "target alone through the services: the coordinator's baseline pool (gRPC, Redis)",
+    "plain-calls": "plain, one Decode call per token (--plain-decoding calls; the default streams each run)",
     "plain-inproc": "target alone, the same engine in the benchmark's process (no RPC)",
     "hf-greedy": "Hugging Face generate, greedy, transformers eager, the run's device and dtype (the peers' baseline)",
     "hf-assisted": "Hugging Face generate(assistant_model=draft), the same pair in one process",
@@ -31,11 +32,13 @@ CATALOG: dict[str, str] = {
     "specdec-draft-pipelined3": "pipelined, draft model, 3 branches: also all but the last token accepted",
 }
 NOT_BUILT: dict[str, str] = {}
+OPT_IN = ("plain-calls",)  # before/after diagnostics: run only when named
 NEEDS_DRAFT = ("hf-assisted", "specdec-draft", "specdec-draft-pipelined", "specdec-draft-pipelined2",
                "specdec-draft-pipelined3")
-SERVICE_METHODS = ("plain", "specdec-ngram", "specdec-draft", "specdec-ngram-pipelined", "specdec-draft-pipelined",
+PLAIN_SERVICE_METHODS = ("plain", "plain-calls")
+SERVICE_METHODS = (*PLAIN_SERVICE_METHODS, "specdec-ngram", "specdec-draft", "specdec-ngram-pipelined", "specdec-draft-pipelined",
                    "specdec-ngram-pipelined3", "specdec-draft-pipelined2", "specdec-draft-pipelined3")
-SPECULATIVE = ("hf-assisted", "hf-pld", *SERVICE_METHODS[1:])
+SPECULATIVE = ("hf-assisted", "hf-pld", *SERVICE_METHODS[len(PLAIN_SERVICE_METHODS):])
 PIPELINED_SUFFIX = "-pipelined"  # the same coordinator as the sequential method; requests ask to pipeline
 # + a number of branches > 1: a coordinator of its own with --pipeline-branches N
 _PIPELINED = re.compile(r"-pipelined(?P<branches>[23])?$")
@@ -252,7 +255,7 @@ def choose_methods(requested: list[str] | None, have_draft: bool,
                    replay_alphas: tuple[float, ...] = ()) -> tuple[list[str], dict[str, str]]:
     """(methods to run, {method: why it is not run}). Unknown names raise ValueError. Replay methods
     (one per alpha) come after the catalog's."""
-    names = list(requested) if requested else list(CATALOG)
+    names = list(requested) if requested else [n for n in CATALOG if n not in OPT_IN]
     replays = [replay_method(a) for a in replay_alphas]
     twins = [n for n in names if re.fullmatch(r"specdec-replay-pipelined[23]?", n)]
     replays += [r + twin.removeprefix("specdec-replay") for twin in twins for r in replays]  # pipelined twins

@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specdec.bench import meta, phases
-from specdec.bench.methods import (CATALOG, REPLAY_PREFIX, SERVER_POLICY, InProcessPlain, RequestResult,
-                                   ServiceMethod, base_name, choose_methods, coordinator_of, fixed_k_of, is_pipelined,
-                                   is_service, parse_k_policy, policy_variants, proposer_of)
+from specdec.bench.methods import (CATALOG, PLAIN_SERVICE_METHODS, REPLAY_PREFIX, SERVER_POLICY, InProcessPlain,
+                                   RequestResult, ServiceMethod, base_name, choose_methods, coordinator_of,
+                                   fixed_k_of, is_pipelined, is_service, parse_k_policy, policy_variants,
+                                   proposer_of)
 from specdec.bench.prompts import load_prompts, select_prompts
 from specdec.bench.services import Deployment, ServiceOptions
 from specdec.bench.timing import EngineTimer, StepTimes
@@ -121,6 +122,7 @@ class Bench:
                               max_context=c.max_context,
                               num_draft_tokens=c.num_draft_tokens, replay_references=self.references,
                               replay_seed=c.replay_seed, extra_env=dict(c.extra_env), target_args=tuple(c.target_args),
+                              plain_calls="plain-calls" in self.methods,
                               branch_coordinators=tuple(dict.fromkeys(
                                   coordinator_of(m) for m in self.methods
                                   if is_service(m) and proposer_of(m) and "@" in coordinator_of(m))))
@@ -130,8 +132,9 @@ class Bench:
         out = {}
         for name in self.methods:
             k = 0 if self.server_only else (fixed_k_of(name, c.num_draft_tokens) or 0)  # 0: the coordinator chooses
-            if name == "plain":
-                out[name] = ServiceMethod(name, coordinators["baseline"], "baseline", 0, c.ignore_eos)
+            if name in PLAIN_SERVICE_METHODS:
+                coordinator = coordinators["baseline" if name == "plain" else "baseline-calls"]
+                out[name] = ServiceMethod(name, coordinator, "baseline", 0, c.ignore_eos)
             elif is_service(name):
                 out[name] = ServiceMethod(name, coordinators[coordinator_of(name)], None, k, c.ignore_eos,
                                           pipelined=is_pipelined(name))

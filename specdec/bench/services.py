@@ -34,6 +34,7 @@ class ServiceOptions:
     target_args: tuple[str, ...] = ()  # extra flags for the target service
     # Extra coordinators "<proposer>@branches<N>" with --pipeline-branches N (multi-outcome methods).
     branch_coordinators: tuple[str, ...] = ()
+    plain_calls: bool = False  # a coordinator with --plain-decoding calls (method plain-calls)
 
 
 def draft_specs(options: ServiceOptions, proposers: list[str]) -> dict[str, tuple[str, list[str]]]:
@@ -113,6 +114,8 @@ class Deployment:
                 plans[variant] = [*plans[proposer], "--pipeline-branches", branches]
         if not plans:
             plans = {"baseline": ["--default-pool", "baseline"]}
+        if self.options.plain_calls:
+            plans["baseline-calls"] = ["--default-pool", "baseline", "--plain-decoding", "calls"]
         started = {}
         for name, extra in plans.items():
             args = ["--host", "127.0.0.1", "--plaintext", "--tokenizer", str(self.options.target_dir),

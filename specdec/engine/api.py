@@ -10,7 +10,7 @@ Positions are absolute token indices in the session's committed sequence. `posit
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import AsyncIterator, Protocol, Sequence
 
 from specdec.models.base import ModelInfo
 from specdec.sampling.params import SamplingParams
@@ -55,6 +55,14 @@ class TargetAPI(Protocol):
         self, session_id: str, position: int, num_tokens: int, append_token_ids: Sequence[int] = ()
     ) -> list[int]:
         """Commit append_token_ids, then generate and commit num_tokens tokens by plain decoding."""
+
+    def decode_stream(
+        self, session_id: str, position: int, num_tokens: int, append_token_ids: Sequence[int] = (),
+        stop_token_ids: Sequence[int] = (),
+    ) -> AsyncIterator[list[int]]:
+        """decode(), one step's tokens at a time as they are committed, ending right after a stop
+        token. A caller that stops reading early truncates to where it stopped before any other
+        call of the session (the target may have committed a step more)."""
 
     async def truncate(self, session_id: str, position: int) -> int: ...
 

@@ -6,7 +6,7 @@ Every call is model time for the loop's per-cycle cost accounting (there is no R
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import AsyncIterator, Sequence
 
 from specdec.engine.api import Proposal
 from specdec.engine.draft import DraftEngine
@@ -35,6 +35,24 @@ class LocalTarget:
     ) -> list[int]:
         with model_time(TARGET):
             return self.engine.decode(session_id, position, num_tokens, append_token_ids)
+
+    async def decode_stream(
+        self, session_id: str, position: int, num_tokens: int, append_token_ids: Sequence[int] = (),
+        stop_token_ids: Sequence[int] = (),
+    ) -> AsyncIterator[list[int]]:
+        """decode() one token at a time, ending right after a stop token (as the service's stream)."""
+        stop = frozenset(stop_token_ids)
+        with model_time(TARGET):
+            tokens = self.engine.decode(session_id, position, min(num_tokens, 1), append_token_ids)
+        position += len(append_token_ids) + len(tokens)
+        yield tokens
+        for _ in range(num_tokens - len(tokens)):
+            if tokens[-1] in stop:
+                return
+            with model_time(TARGET):
+                tokens = self.engine.decode(session_id, position, 1)
+            position += 1
+            yield tokens
 
     async def truncate(self, session_id: str, position: int) -> int:
         return self.engine.truncate(session_id, position)

@@ -136,6 +136,14 @@ class DraftLengthPolicy:
             return self.max_tokens  # the draft's confidence stop decides the length (stop_below)
         return self._current
 
+    def plain_run(self) -> int:
+        """After next_k() said 0: how many plain steps in a row it will ask for, this one included
+        (up to the next probe while off, else this exploring step alone), so that the loop decodes
+        them as one streamed run."""
+        if self._current == 0:
+            return max(1, self._probe_interval - self._plain_since_probe)
+        return 1
+
     def stop_below(self) -> float:
         """The confidence product below which the next draft stops (0: draft next_k() tokens).
         Drafting one more token costs a draft step and a verified token and adds survival * a

@@ -16,7 +16,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, ContextManager, Sequence
+from typing import AsyncIterator, Awaitable, Callable, ContextManager, Sequence
 
 from specdec.engine.api import DraftAPI, TargetAPI
 from specdec.engine.cycle_cost import CycleCost, measure_cycle
@@ -45,6 +45,10 @@ class LoopSettings:
     # Branches per speculative draft: 1 the main one (all accepted, the draft's own bonus guess); 2
     # adds a second bonus guess; 3 also all-but-last accepted (specdec.engine.alternatives).
     pipeline_branches: int = 1
+    # Plain decoding streamed (TargetAPI.decode_stream): a run of plain steps, as long as the loop
+    # knows it will decode plainly, is one call whose next step the target starts while the last
+    # token travels, instead of one round trip per token. False: one Decode call per token.
+    stream_plain: bool = True
 
 
 @dataclass
@@ -124,19 +128,32 @@ class SpeculativeLoop:
         elif draft is not None and k > 0:  # a fixed length too yields to the loaded target's trimming
             self.policy = DraftLengthPolicy(k, k, adapt=False)
         self.pipeline = PipelinedDrafting(self) if self.settings.pipelining and draft is not None else None
+        self._plain_stream: AsyncIterator[list[int]] | None = None  # an open run of plain steps
+        self._plain_left = 0  # tokens that run will still produce
+        self._policy_plain = False  # the policy chose this cycle's plain step (not the budget)
 
     async def run(self, cursor: SessionCursor, stop: StopChecker, emit: TokenSink) -> GenerationResult:
         """Generate after the cursor's committed sequence until `stop` says so; emit every token
         the moment it is committed (and kept)."""
         stats = SpeculationStats()
-        generated: list[int] = []
         plain_cycles_left = 0 if self.draft is not None else -1  # -1: never speculate
+        try:
+            return await self._run(cursor, stop, emit, stats, plain_cycles_left)
+        finally:  # an error or a cancelled turn: the next turn truncates the target to its record
+            if self._plain_stream is not None:
+                await self._plain_stream.aclose()
+                self._plain_stream, self._plain_left = None, 0
+
+    async def _run(self, cursor: SessionCursor, stop: StopChecker, emit: TokenSink, stats: SpeculationStats,
+                   plain_cycles_left: int) -> GenerationResult:
+        generated: list[int] = []
         index = 0
         while True:
             with self.observer.cycle(index, cursor.position), measure_cycle(lambda c: self._measured(c, stats)):
                 k = self._draft_length(cursor, stop)
                 new_tokens: list[int] | None = None
                 if plain_cycles_left == 0 and k > 0:
+                    await self._end_plain_run(cursor)
                     new_tokens = await (self.pipeline.speculate(cursor, k, stats, stop) if self.pipeline
                                         else self._speculate(cursor, k, stats))
                     if new_tokens is None:  # the draft failed: plain decoding, retry later
@@ -145,9 +162,10 @@ class SpeculativeLoop:
                 elif plain_cycles_left > 0:
                     plain_cycles_left -= 1
                 if new_tokens is None:
-                    new_tokens = await self._decode(cursor, stats)
+                    new_tokens = await self._decode(cursor, stats, stop, self._plain_run(cursor, stop, plain_cycles_left, k))
                 keep, reason = stop.check(new_tokens)
                 if keep < len(new_tokens):
+                    await self._end_plain_run(cursor, truncate=False)  # the truncate below undoes its steps
                     del cursor.tokens[len(cursor.tokens) - len(new_tokens) + keep:]
                     with self.observer.step("truncate"):
                         await self.target.truncate(cursor.session_id, cursor.position)
@@ -156,6 +174,7 @@ class SpeculativeLoop:
                 await emit(new_tokens)
             index += 1
             if reason is not None:
+                await self._end_plain_run(cursor)
                 await self._settle_draft(cursor)
                 return GenerationResult(generated, reason, stats)
 
@@ -185,6 +204,8 @@ class SpeculativeLoop:
         # Never draft past the budget or the context: a cycle commits up to k + 1 tokens.
         room = cursor.max_context - cursor.position - ahead - 1
         wanted = self.policy.next_k() if self.policy else self.settings.num_draft_tokens
+        if not ahead:
+            self._policy_plain = wanted == 0
         return max(0, min(wanted, stop.remaining - ahead - 1, room))
 
     async def _speculate(self, cursor: SessionCursor, k: int, stats: SpeculationStats) -> list[int] | None:
@@ -255,16 +276,49 @@ class SpeculativeLoop:
             keep += 1
         return keep
 
-    async def _decode(self, cursor: SessionCursor, stats: SpeculationStats) -> list[int]:
+    def _plain_run(self, cursor: SessionCursor, stop: StopChecker, plain_cycles_left: int, k: int) -> int:
+        """How many plain steps in a row the loop will take from here, as far as it knows now."""
+        if plain_cycles_left != 0:  # no draft (-1: all of them), or the draft failed lately
+            run = stop.remaining if plain_cycles_left < 0 else plain_cycles_left + 1
+        elif self._policy_plain and self.policy is not None:
+            run = self.policy.plain_run()
+        else:  # no room for a draft: the budget or the context ends within a step
+            run = stop.remaining
+        return max(1, min(run, stop.remaining, cursor.max_context - cursor.position))
+
+    async def _decode(self, cursor: SessionCursor, stats: SpeculationStats, stop: StopChecker, run: int) -> list[int]:
+        """One plain step: the next token of the open plain run, or of a new one of `run` steps."""
         started = time.perf_counter()
         with self.observer.step("decode"):
-            new_tokens = await self.target.decode(cursor.session_id, cursor.position, 1)
+            if not self.settings.stream_plain:
+                new_tokens = await self.target.decode(cursor.session_id, cursor.position, 1)
+            else:
+                if self._plain_left <= 0:
+                    await self._end_plain_run(cursor)
+                    self._plain_stream = self.target.decode_stream(
+                        cursor.session_id, cursor.position, run, stop_token_ids=sorted(stop.eos_token_ids))
+                    self._plain_left = run
+                new_tokens = await anext(self._plain_stream)
+                self._plain_left -= len(new_tokens)
+                if new_tokens and new_tokens[-1] in stop.eos_token_ids:
+                    self._plain_left = 0  # the target ended the run itself
         elapsed = time.perf_counter() - started
         stats.decode_seconds += elapsed
         stats.decode_steps += 1
         self._cycle_calls = (None, 0.0, elapsed, 0, ())
         cursor.tokens.extend(new_tokens)
         return new_tokens
+
+    async def _end_plain_run(self, cursor: SessionCursor, truncate: bool = True) -> None:
+        """Close the plain run; if it stopped early, the target may be a step past the cursor."""
+        stream, self._plain_stream = self._plain_stream, None
+        if stream is None:
+            return
+        left, self._plain_left = self._plain_left, 0
+        await stream.aclose()
+        if left > 0 and truncate:
+            with self.observer.step("truncate"):
+                await self.target.truncate(cursor.session_id, cursor.position)
 
     async def _settle_draft(self, cursor: SessionCursor) -> None:
         """Leave the draft holding only committed tokens (a prefix of the committed sequence), so

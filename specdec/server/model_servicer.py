@@ -53,11 +53,13 @@ class EngineServicer:
     async def Truncate(self, request, context):
         check_session_id(request.session_id)
         annotate(**{SPECDEC_SESSION_ID: request.session_id, SPECDEC_POSITION: request.position})
+        self.end_stream(request.session_id)
         position = await self._run(self.engine.truncate, request.session_id, request.position)
         return self.TRUNCATE_RESPONSE(position=position)
 
     async def EndSession(self, request, context):
         annotate(**{SPECDEC_SESSION_ID: request.session_id})
+        self.end_stream(request.session_id)
         existed = await self._run(self.engine.end_session, request.session_id)
         self.forget_sessions([request.session_id])
         return self.END_SESSION_RESPONSE(existed=existed)
@@ -67,6 +69,10 @@ class EngineServicer:
 
     def forget_sessions(self, session_ids: Iterable[str]) -> None:
         """Drop the servicer's own state of sessions that ended or expired."""
+
+    def end_stream(self, session_id: str) -> None:
+        """Before any other call of a session runs: end the session's streamed call, if the servicer
+        has one (the target's DecodeStream), so that no step of it commits after this call."""
 
     async def aclose(self) -> None:
         """At shutdown, before the model thread closes: stop what the servicer runs (a batcher)."""

@@ -28,6 +28,8 @@ from typing import Any
 from specdec.errors import SpecDecError
 from specdec.server.settings import ConfigError, ServerSettings
 
+log = logging.getLogger(__name__)
+
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
@@ -104,6 +106,18 @@ def check_model_settings(num_slots: int, max_context: int | None, session_ttl_s:
         raise ConfigError(f"--max-context must be >= 2 tokens, got {max_context}")
     if not session_ttl_s > 0:
         raise ConfigError(f"--session-ttl must be > 0 seconds, got {session_ttl_s}")
+
+
+def test_delayed(fn: Callable[..., Any], delay_s: float, what: str) -> Callable[..., Any]:
+    """TEST ONLY (--test-delay-ms): fn, after sleeping delay_s on the calling (model) thread."""
+    import time
+
+    log.warning("TEST ONLY: every %s is delayed by %.0f ms (--test-delay-ms)", what, delay_s * 1000)
+
+    def delayed(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(delay_s)
+        return fn(*args, **kwargs)
+    return delayed
 
 
 def write_ready_file(path: Path, host) -> None:
