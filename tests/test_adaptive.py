@@ -259,3 +259,28 @@ def test_switching_off_takes_two_verdicts_and_reprobes_back_off_from_four_to_pro
     assert waits == [4, 8, 16, 16, 16]
     feed(policy, 1, 4, 4, draft_s=0.004, verify_s=0.048)  # a probe that pays switches it on
     assert policy.next_k() > 0
+
+
+def test_plain_run_says_how_many_plain_steps_come_before_the_next_probe():
+    """The loop streams a run of plain steps as one call, as long as the policy says it will last:
+    up to the next probe while speculation is off, one step when it only measures plain decoding."""
+    policy = DraftLengthPolicy(initial=4, max_tokens=8, optimism=0.0, probe_every=16, explore_plain_every=10)
+    policy.observe_plain(0.040)
+    feed(policy, 4, 4, 0, draft_s=0.004, verify_s=0.048)  # two "plain" verdicts in a row: off
+    runs = []
+    for _ in range(3):
+        assert policy.next_k() == 0
+        run = policy.plain_run()
+        for left in range(run, 0, -1):  # every step of the run agrees on what is left, itself included
+            assert policy.plain_run() == left
+            policy.observe_plain(0.040)
+            if left > 1:
+                assert policy.next_k() == 0
+        runs.append(run)
+        k = policy.next_k()  # the probe comes exactly when the run ends
+        assert k > 0
+        feed(policy, 1, k, 0, draft_s=0.004, verify_s=0.048)
+    assert runs == [4, 8, 16]
+    on = DraftLengthPolicy(initial=4, max_tokens=8, explore_plain_every=10)
+    feed(on, 3, 4, 4)
+    assert on.next_k() == 0 and on.plain_run() == 1  # measuring plain decoding: one step

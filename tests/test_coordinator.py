@@ -172,7 +172,10 @@ async def test_next_turn_appends_to_the_session_and_equals_plain_decoding_of_the
     assert info2.stats.cycles == turn1[-1].stats.cycles + turn2[-1].stats.cycles
 
 
-async def test_stop_sequence_inside_an_accepted_block_ends_the_output_there(redis_url, dirs, services, reference):
+@pytest.mark.parametrize("pool", [pb.POOL_SPECULATIVE, pb.POOL_BASELINE], ids=["speculative", "baseline"])
+async def test_stop_sequence_inside_an_accepted_block_ends_the_output_there(redis_url, dirs, services, reference, pool):
+    """Speculative: the stop falls inside an accepted block. Baseline: inside a streamed plain run,
+    which the target has decoded past by then (it does not wait for the reader)."""
     prompt_ids = reference.prompt_ids(PROMPTS[0])
     plain = expected(reference, prompt_ids, 60)
     printable = [32 <= t < 127 for t in plain]
@@ -180,15 +183,17 @@ async def test_stop_sequence_inside_an_accepted_block_ends_the_output_there(redi
                and bytes(plain[i - 1:i + 1]).decode() not in reference.tokenizer.decode(plain[:i]))
     stop = bytes(plain[end - 1:end + 1]).decode()
     async with coordinator(redis_url, dirs, services, "same") as c:
-        messages = await c.generate(prompt=PROMPTS[0], max_new_tokens=60, stop_sequences=[stop, "\x00never"])
+        messages = await c.generate(prompt=PROMPTS[0], max_new_tokens=60, stop_sequences=[stop, "\x00never"],
+                                    pool=pool)
         session_id = messages[-1].session_id
+        assert messages[-1].stats.pool == pool
         assert messages[-1].finish_reason == pb.FINISH_REASON_STOP_SEQUENCE
         assert tokens_of(messages) == plain[: end + 1]
         assert "".join(m.text for m in messages).endswith(stop)
         committed = await c.tokens(session_id)
         assert committed == prompt_ids + plain[: end + 1]
         # Both caches were rolled back to the stop: the next turn continues from exactly there.
-        nxt = await c.generate(session_id=session_id, prompt=" go on", raw=True, max_new_tokens=10)
+        nxt = await c.generate(session_id=session_id, prompt=" go on", raw=True, max_new_tokens=10, pool=pool)
         assert tokens_of(nxt) == expected(reference, committed + raw_ids(reference, " go on"), 10)
         assert nxt[-1].stats.fallbacks == 0
 

@@ -181,3 +181,60 @@ def test_sessions_survive_cache_eviction(tiny_dirs):
             outputs[i] += target.decode(f"s{i}", position, 1)
     assert [outputs[i] for i in range(3)] == reference
     assert target.evictions > 0
+
+
+class CountingTarget(LocalTarget):
+    """LocalTarget that counts the plain runs (decode_stream calls) the loop opens."""
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.runs: list[int] = []
+
+    def decode_stream(self, session_id, position, num_tokens, append_token_ids=(), stop_token_ids=()):
+        self.runs.append(num_tokens)
+        return super().decode_stream(session_id, position, num_tokens, append_token_ids, stop_token_ids)
+
+
+class DeadDraft(LocalDraft):
+    async def propose(self, *args, **kwargs):
+        raise ConnectionError("draft replica is down")
+
+
+def test_plain_steps_are_streamed_in_runs_as_long_as_the_loop_knows_them(tiny_dirs):
+    """No draft: the whole budget is one run. A dead draft: one run per retry interval. Either way
+    the output is plain decoding's and the target holds exactly what was emitted."""
+    target = target_engine(tiny_dirs["target"])
+    plain = run(target, None, PROMPTS[0], SamplingParams(), max_new_tokens=40).token_ids
+    for draft, expected_runs in ((None, [39]), (DeadDraft(draft_engine("same", tiny_dirs)), [6] * 6 + [3])):
+        counting, emitted = CountingTarget(target), []
+
+        async def emit(tokens):
+            emitted.extend(tokens)
+
+        session_id = uuid.uuid4().hex
+        result = asyncio.run(generate(counting, draft, session_id, PROMPTS[0], SamplingParams(), StopChecker(40),
+                                      emit, LoopSettings(num_draft_tokens=3, retry_draft_after=5)))
+        assert result.token_ids == emitted == plain
+        assert counting.runs == expected_runs  # the first token comes from StartSession
+        assert target.committed_tokens(session_id) == PROMPTS[0] + plain
+
+
+@pytest.mark.parametrize("stop_kind", ["eos", "sequence"])
+def test_a_stop_inside_a_plain_run_ends_it_and_the_target_keeps_only_what_was_kept(tiny_dirs, stop_kind):
+    target = target_engine(tiny_dirs["target"])
+    plain = run(target, None, PROMPTS[1], SamplingParams(), max_new_tokens=30).token_ids
+    cut = next(i for i in range(8, 30) if plain[i] not in plain[:i])  # first occurrence, mid-run
+    emitted: list[int] = []
+
+    async def emit(tokens):
+        emitted.extend(tokens)
+
+    if stop_kind == "eos":
+        stop = StopChecker(30, eos_token_ids=[plain[cut]])
+    else:
+        stop = StopChecker(30, stop_sequences=[f"<{plain[cut]}>"], detokenize=lambda ids: "".join(f"<{t}>" for t in ids))
+    session_id = uuid.uuid4().hex
+    result = asyncio.run(generate(LocalTarget(target), None, session_id, PROMPTS[1], SamplingParams(), stop, emit))
+    assert result.token_ids == emitted == plain[:cut + 1]
+    assert result.finish_reason == (FinishReason.EOS if stop_kind == "eos" else FinishReason.STOP_SEQUENCE)
+    assert target.committed_tokens(session_id) == PROMPTS[1] + plain[:cut + 1]
