@@ -238,3 +238,31 @@ def test_a_stop_inside_a_plain_run_ends_it_and_the_target_keeps_only_what_was_ke
     assert result.token_ids == emitted == plain[:cut + 1]
     assert result.finish_reason == (FinishReason.EOS if stop_kind == "eos" else FinishReason.STOP_SEQUENCE)
     assert target.committed_tokens(session_id) == PROMPTS[1] + plain[:cut + 1]
+
+
+class EndsFirstRunEarly(CountingTarget):
+    """The first run ends after two tokens, as when another call of the session ended it."""
+
+    def decode_stream(self, session_id, position, num_tokens, append_token_ids=(), stop_token_ids=()):
+        stream = super().decode_stream(session_id, position, num_tokens, append_token_ids, stop_token_ids)
+        if len(self.runs) > 1:
+            return stream
+
+        async def two():
+            for _ in range(2):
+                yield await anext(stream)
+        return two()
+
+
+def test_a_run_the_target_ends_early_is_started_again_from_the_last_token_read(tiny_dirs):
+    target = target_engine(tiny_dirs["target"])
+    plain = run(target, None, PROMPTS[2], SamplingParams(), max_new_tokens=12).token_ids
+    counting = EndsFirstRunEarly(target)
+
+    async def emit(tokens):
+        pass
+
+    session_id = uuid.uuid4().hex
+    result = asyncio.run(generate(counting, None, session_id, PROMPTS[2], SamplingParams(), StopChecker(12), emit))
+    assert result.token_ids == plain and counting.runs == [11, 9]
+    assert target.committed_tokens(session_id) == PROMPTS[2] + plain

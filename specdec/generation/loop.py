@@ -16,12 +16,14 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Callable, ContextManager, Sequence
+from typing import Awaitable, Callable, ContextManager, Sequence
 
 from specdec.engine.api import DraftAPI, TargetAPI
+from specdec.errors import ServiceUnavailable
 from specdec.engine.cycle_cost import CycleCost, measure_cycle
 from specdec.generation.adaptive import DraftLengthPolicy
 from specdec.generation.pipeline import PipelinedDrafting
+from specdec.generation.plain_runs import PlainRuns
 from specdec.generation.stats import SpeculationStats
 from specdec.generation.stopping import FinishReason, StopChecker
 from specdec.sampling.params import SamplingParams
@@ -128,8 +130,7 @@ class SpeculativeLoop:
         elif draft is not None and k > 0:  # a fixed length too yields to the loaded target's trimming
             self.policy = DraftLengthPolicy(k, k, adapt=False)
         self.pipeline = PipelinedDrafting(self) if self.settings.pipelining and draft is not None else None
-        self._plain_stream: AsyncIterator[list[int]] | None = None  # an open run of plain steps
-        self._plain_left = 0  # tokens that run will still produce
+        self.plain_runs = PlainRuns(target)  # plain steps, streamed in runs (plain_runs.py)
         self._policy_plain = False  # the policy chose this cycle's plain step (not the budget)
 
     async def run(self, cursor: SessionCursor, stop: StopChecker, emit: TokenSink) -> GenerationResult:
@@ -140,9 +141,7 @@ class SpeculativeLoop:
         try:
             return await self._run(cursor, stop, emit, stats, plain_cycles_left)
         finally:  # an error or a cancelled turn: the next turn truncates the target to its record
-            if self._plain_stream is not None:
-                await self._plain_stream.aclose()
-                self._plain_stream, self._plain_left = None, 0
+            await self.plain_runs.close()
 
     async def _run(self, cursor: SessionCursor, stop: StopChecker, emit: TokenSink, stats: SpeculationStats,
                    plain_cycles_left: int) -> GenerationResult:
@@ -293,15 +292,7 @@ class SpeculativeLoop:
             if not self.settings.stream_plain:
                 new_tokens = await self.target.decode(cursor.session_id, cursor.position, 1)
             else:
-                if self._plain_left <= 0:
-                    await self._end_plain_run(cursor)
-                    self._plain_stream = self.target.decode_stream(
-                        cursor.session_id, cursor.position, run, stop_token_ids=sorted(stop.eos_token_ids))
-                    self._plain_left = run
-                new_tokens = await anext(self._plain_stream)
-                self._plain_left -= len(new_tokens)
-                if new_tokens and new_tokens[-1] in stop.eos_token_ids:
-                    self._plain_left = 0  # the target ended the run itself
+                new_tokens = await self._next_plain(cursor, stop, run)
         elapsed = time.perf_counter() - started
         stats.decode_seconds += elapsed
         stats.decode_steps += 1
@@ -309,14 +300,17 @@ class SpeculativeLoop:
         cursor.tokens.extend(new_tokens)
         return new_tokens
 
+    async def _next_plain(self, cursor: SessionCursor, stop: StopChecker, run: int) -> list[int]:
+        for _ in range(2):
+            tokens = await self.plain_runs.next(cursor.session_id, cursor.position, run, stop.eos_token_ids)
+            if tokens is not None:
+                return tokens
+            await self._end_plain_run(cursor)  # ended early by another call of the session: start again
+        raise ServiceUnavailable(f"the target ended two plain runs of session {cursor.session_id} before a token")
+
     async def _end_plain_run(self, cursor: SessionCursor, truncate: bool = True) -> None:
         """Close the plain run; if it stopped early, the target may be a step past the cursor."""
-        stream, self._plain_stream = self._plain_stream, None
-        if stream is None:
-            return
-        left, self._plain_left = self._plain_left, 0
-        await stream.aclose()
-        if left > 0 and truncate:
+        if await self.plain_runs.close() and truncate:
             with self.observer.step("truncate"):
                 await self.target.truncate(cursor.session_id, cursor.position)
 
