@@ -47,6 +47,9 @@ class CoordinatorSettings:
     default_pool: Pool = Pool.SPECULATIVE
     num_draft_tokens: int = 4
     adaptive_draft_length: bool = True
+    # The longest draft the adaptive policy may choose. 8: a verify of 8 drafted tokens is the longest
+    # the target's CUDA graphs cover (specdec/models/cuda_graphs.py); longer ones run eagerly.
+    max_adaptive_draft_tokens: int = 8
     retry_draft_after: int = 8
     pipelining: bool = False  # draft the next block while the target verifies (requests may override)
     pipelining_min_full_accept: float = 0.0  # --pipelining auto: only while blocks are accepted whole this often
@@ -64,6 +67,8 @@ class CoordinatorSettings:
     def __post_init__(self) -> None:
         if not self.redis_url:
             raise ConfigError("--redis-url is required: sessions live in Redis (the launcher passes an embedded one)")
+        if self.max_adaptive_draft_tokens < 1:
+            raise ConfigError(f"--max-adaptive-draft-tokens must be >= 1, got {self.max_adaptive_draft_tokens}")
         if not 1 <= self.num_draft_tokens <= self.limits.max_draft_tokens:
             raise ConfigError(f"--num-draft-tokens must be in [1, --max-draft-tokens], got {self.num_draft_tokens}")
         if not 1 <= self.limits.default_max_new_tokens <= self.limits.max_new_tokens_limit:
@@ -121,6 +126,9 @@ def add_arguments(parser: argparse.ArgumentParser, environ=os.environ) -> None:
                    help="pipelined cycles: branches the draft drafts per speculative block, for that many "
                         "verify outcomes: 1 all accepted with the draft's own bonus guess; 2 also a second "
                         "bonus guess; 3 also all but the last token accepted (docs/PIPELINING.md)")
+    g.add_argument("--max-adaptive-draft-tokens", type=int, default=8,
+                   help="the longest draft the adaptive draft length may choose (capped by --max-draft-tokens); 8 "
+                        "keeps every verify inside the target's CUDA graphs, which cover 8 drafted tokens")
     g.add_argument("--plain-decoding", choices=["stream", "calls"], default="stream",
                    help="stream: a run of plain decoding steps (the baseline pool, speculation switched off or "
                         "failed) is one streamed call, the target starting each step while the last token "
@@ -156,6 +164,7 @@ def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
         tokenizer=args.tokenizer, redis_url=args.redis_url, targets=tuple(args.target), drafts=tuple(args.draft),
         redis_prefix=args.redis_prefix, default_pool=Pool(args.default_pool),
         num_draft_tokens=args.num_draft_tokens, adaptive_draft_length=args.draft_length == "adaptive",
+        max_adaptive_draft_tokens=args.max_adaptive_draft_tokens,
         retry_draft_after=args.retry_draft_after, pipelining=args.pipelining != "off",
         pipelining_min_full_accept=args.pipelining_min_full_accept if args.pipelining == "auto" else 0.0,
         pipeline_branches=args.pipeline_branches, plain_streaming=args.plain_decoding == "stream",

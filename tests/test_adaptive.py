@@ -284,3 +284,25 @@ def test_plain_run_says_how_many_plain_steps_come_before_the_next_probe():
     on = DraftLengthPolicy(initial=4, max_tokens=8, explore_plain_every=10)
     feed(on, 3, 4, 4)
     assert on.next_k() == 0 and on.plain_run() == 1  # measuring plain decoding: one step
+
+
+@pytest.mark.parametrize("argv, adaptive_max, plain_streaming", [
+    ([], 8, True),
+    (["--max-adaptive-draft-tokens", "12", "--plain-decoding", "calls"], 12, False),
+])
+def test_coordinator_flags_for_the_draft_length_and_plain_decoding(argv, adaptive_max, plain_streaming):
+    """The adaptive policy stays within 8 drafted tokens by default (the target's CUDA graphs cover a
+    verify of 8: GPU runs with drafts of up to 16 ran their longer verifies eagerly); plain runs stream
+    unless --plain-decoding calls."""
+    import argparse
+
+    from coordinator.settings import add_arguments, settings_from_args
+    from specdec.server.settings import ConfigError
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, environ={})
+    base = ["--plaintext", "--tokenizer", "t", "--redis-url", "redis://x", "--target-plaintext", "--draft-plaintext"]
+    settings = settings_from_args(parser.parse_args(base + argv))
+    assert (settings.max_adaptive_draft_tokens, settings.plain_streaming) == (adaptive_max, plain_streaming)
+    with pytest.raises(ConfigError, match="--max-adaptive-draft-tokens must be >= 1"):
+        settings_from_args(parser.parse_args(base + ["--max-adaptive-draft-tokens", "0"]))
