@@ -24,6 +24,7 @@ import grpc
 import grpc.aio
 
 from specdec import errors
+from specdec.engine.api import decode_by_steps
 from specdec.engine.cycle_cost import TARGET, report_model_time
 from specdec.models.base import ModelInfo
 from specdec.rpc import target_pb2, target_pb2_grpc
@@ -56,6 +57,7 @@ class TargetClient(ServiceClient):
     STUB = target_pb2_grpc.TargetServiceStub
     TRUNCATE_REQUEST = target_pb2.TargetServiceTruncateRequest
     END_SESSION_REQUEST = target_pb2.TargetServiceEndSessionRequest
+    _decode_stream_unimplemented = False  # set once the target answered DecodeStream with UNIMPLEMENTED
 
     async def start_session(
         self, session_id: str, token_ids: Sequence[int], params: SamplingParams, sample_first_token: bool = True
@@ -121,16 +123,9 @@ class TargetClient(ServiceClient):
                 self._decode_stream_unimplemented = True
                 log.warning("the target service at %s has no DecodeStream (an older version): plain decoding "
                             "makes one Decode call per token", self.channel)
-        stop, start = frozenset(stop_token_ids), position + len(append_token_ids)
-        tokens = await self.decode(session_id, position, min(num_tokens, 1), append_token_ids)
-        yield tokens
-        for position in range(start + len(tokens), start + num_tokens):
-            if tokens[-1] in stop:
-                return
-            tokens = await self.decode(session_id, position, 1)
+        async for tokens in decode_by_steps(self.decode, session_id, position, num_tokens, append_token_ids,
+                                            stop_token_ids):
             yield tokens
-
-    _decode_stream_unimplemented = False
 
     async def _streamed(self, session_id: str, position: int, num_tokens: int, append_token_ids: Sequence[int],
                         stop_token_ids: Sequence[int]) -> AsyncIterator[list[int]]:

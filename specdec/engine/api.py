@@ -10,7 +10,7 @@ Positions are absolute token indices in the session's committed sequence. `posit
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Protocol, Sequence
+from typing import AsyncIterator, Awaitable, Callable, Protocol, Sequence
 
 from specdec.models.base import ModelInfo
 from specdec.sampling.params import SamplingParams
@@ -69,6 +69,23 @@ class TargetAPI(Protocol):
     async def end_session(self, session_id: str) -> bool: ...
 
     async def info(self) -> ModelInfo: ...
+
+
+async def decode_by_steps(
+    decode: Callable[..., Awaitable[list[int]]], session_id: str, position: int, num_tokens: int,
+    append_token_ids: Sequence[int] = (), stop_token_ids: Sequence[int] = (),
+) -> AsyncIterator[list[int]]:
+    """TargetAPI.decode_stream from one decode() call per step (an in-process engine, or a target
+    service older than DecodeStream): the first call commits append_token_ids; ends after num_tokens
+    tokens or right after a stop token."""
+    stop, start = frozenset(stop_token_ids), position + len(append_token_ids)
+    tokens = await decode(session_id, position, min(num_tokens, 1), append_token_ids)
+    yield tokens
+    for position in range(start + len(tokens), start + num_tokens):
+        if tokens[-1] in stop:
+            return
+        tokens = await decode(session_id, position, 1)
+        yield tokens
 
 
 class DraftAPI(Protocol):

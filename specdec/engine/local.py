@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import AsyncIterator, Sequence
 
-from specdec.engine.api import Proposal
+from specdec.engine.api import Proposal, decode_by_steps
 from specdec.engine.draft import DraftEngine
 from specdec.engine.target import TargetEngine
 from specdec.engine.cycle_cost import DRAFT, TARGET, model_time
@@ -36,23 +36,12 @@ class LocalTarget:
         with model_time(TARGET):
             return self.engine.decode(session_id, position, num_tokens, append_token_ids)
 
-    async def decode_stream(
+    def decode_stream(
         self, session_id: str, position: int, num_tokens: int, append_token_ids: Sequence[int] = (),
         stop_token_ids: Sequence[int] = (),
     ) -> AsyncIterator[list[int]]:
-        """decode() one token at a time, ending right after a stop token (as the service's stream)."""
-        stop = frozenset(stop_token_ids)
-        with model_time(TARGET):
-            tokens = self.engine.decode(session_id, position, min(num_tokens, 1), append_token_ids)
-        position += len(append_token_ids) + len(tokens)
-        yield tokens
-        for _ in range(num_tokens - len(tokens)):
-            if tokens[-1] in stop:
-                return
-            with model_time(TARGET):
-                tokens = self.engine.decode(session_id, position, 1)
-            position += 1
-            yield tokens
+        """decode() one token at a time (an in-process engine has no step to overlap)."""
+        return decode_by_steps(self.decode, session_id, position, num_tokens, append_token_ids, stop_token_ids)
 
     async def truncate(self, session_id: str, position: int) -> int:
         return self.engine.truncate(session_id, position)

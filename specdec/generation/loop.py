@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable, ContextManager, Sequence
 
 from specdec.engine.api import DraftAPI, TargetAPI
-from specdec.errors import ServiceUnavailable
 from specdec.engine.cycle_cost import CycleCost, measure_cycle
+from specdec.errors import ServiceUnavailable
 from specdec.generation.adaptive import DraftLengthPolicy
 from specdec.generation.pipeline import PipelinedDrafting
 from specdec.generation.plain_runs import PlainRuns

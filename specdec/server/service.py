@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,8 +111,6 @@ def check_model_settings(num_slots: int, max_context: int | None, session_ttl_s:
 
 def test_delayed(fn: Callable[..., Any], delay_s: float, what: str) -> Callable[..., Any]:
     """TEST ONLY (--test-delay-ms): fn, after sleeping delay_s on the calling (model) thread."""
-    import time
-
     log.warning("TEST ONLY: every %s is delayed by %.0f ms (--test-delay-ms)", what, delay_s * 1000)
 
     def delayed(*args: Any, **kwargs: Any) -> Any:
