@@ -38,6 +38,7 @@ class TargetServiceSettings:
     dtype: str = "float32"
     cuda_graphs: bool | None = None  # None: on for a CUDA device
     compile_layers: bool = False  # torch.compile the CUDA-graph layers (specdec.models.compiled_layers)
+    graph_warmup_context: int = service.GRAPH_WARMUP_CONTEXT  # CUDA-graph shapes captured at startup
     num_slots: int = 8
     max_context: int | None = None  # None: the model's own limit (capped by the loader)
     session_ttl_s: float = 600.0
@@ -119,7 +120,8 @@ def run(settings: TargetServiceSettings) -> int:
              settings.device, settings.dtype)
     model = load_model(model_dir, backend=settings.backend, device=settings.device, dtype=settings.dtype,
                        num_slots=settings.num_slots, max_context=settings.max_context, name=settings.model,
-                       cuda_graphs=settings.cuda_graphs, compile_layers=settings.compile_layers)
+                       cuda_graphs=settings.cuda_graphs, compile_layers=settings.compile_layers,
+                       graph_warmup_context=settings.graph_warmup_context)
     if settings.test_fault:
         log.warning("TEST ONLY: verification is corrupted on purpose (--test-fault %s)", settings.test_fault)
     if settings.test_delay_ms > 0:

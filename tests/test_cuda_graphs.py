@@ -102,6 +102,29 @@ def test_buckets(root):
     assert runner.shape_for([0] * 33, [1] * 33) is None
 
 
+def test_warm_up_builds_every_step_shape_so_that_no_step_builds_one(root):
+    """Rows 1..num_slots (bucketed), 1..MAX_TOKENS_PER_ROW tokens, keys up to the warm-up context."""
+    path = tiny_dir(root, "llama")
+    make = lambda warmup: LlamaModel(path, num_slots=3, max_context=500, cuda_graphs=True,  # noqa: E731
+                                     graph_warmup_context=warmup)
+    model = make(300)  # key buckets 256 and 501 (the whole slot); rows 1, 2 and 4 (3 slots)
+    assert len(model.graphs.forwards) == 2 * MAX_TOKENS_PER_ROW * 3
+    assert {s.key_len for s in model.graphs.forwards} == {256, 501}
+    assert {s.rows for s in model.graphs.forwards} == {1, 2, 4}
+    assert model.graphs.warm_up(3, 300) == 0  # nothing left to build
+    slots = [model.allocate() for _ in range(3)]
+    for i, slot in enumerate(slots):
+        model.forward([slot], [random_tokens(100 + 90 * i, seed=i)], [1])  # prefills: eager
+    built = len(model.graphs.forwards)
+    for width in range(1, MAX_TOKENS_PER_ROW + 1):
+        model.forward(slots, [random_tokens(width, seed=width)] * 3, [1] * 3)  # up to 371 keys
+        model.forward(slots[:1], [random_tokens(width, seed=width)], [1])
+    assert len(model.graphs.forwards) == built and model.graphs.stats.replays == 2 * MAX_TOKENS_PER_ROW
+    assert len(make(0).graphs.forwards) == 0  # 0: every shape on its first use
+    assert len(make(200).graphs.forwards) == MAX_TOKENS_PER_ROW * 3  # the 256 bucket only
+    assert len(make(10_000).graphs.forwards) == 2 * MAX_TOKENS_PER_ROW * 3  # capped at the slot
+
+
 def test_switch_defaults_to_cuda_only():
     assert use_cuda_graphs(None, "cuda:1") and not use_cuda_graphs(None, "cpu")
     assert not use_cuda_graphs(True, "cpu") and not use_cuda_graphs(False, "cuda")
@@ -163,6 +186,21 @@ def test_cuda_graphs_on_a_device_that_is_not_the_current_one(root):
     for g, w in zip(got, want):
         assert relative_error(g.cpu(), w.cpu()) <= 1e-4
     assert graphs.graphs.stats.captured == 5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graphs_captured_at_warm_up_equal_eager(root):
+    """Graphs captured back to back at startup share one memory pool: each must still replay right."""
+    path = tiny_dir(root, "llama3")
+    eager = LlamaModel(path, device="cuda", num_slots=6, max_context=300)
+    graphs = LlamaModel(path, device="cuda", num_slots=6, max_context=300, cuda_graphs=True,
+                        graph_warmup_context=300)
+    assert graphs.graphs.stats.captured == 2 * MAX_TOKENS_PER_ROW * 4  # keys 256, 301; rows 1, 2, 4, 8
+    want, got = script(eager), script(graphs)
+    for g, w in zip(got, want):
+        assert relative_error(g.cpu(), w.cpu()) <= 1e-4
+    assert graphs.graphs.stats.captured == 2 * MAX_TOKENS_PER_ROW * 4  # no step captured a new shape
 
 
 @pytest.mark.gpu

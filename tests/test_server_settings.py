@@ -108,6 +108,22 @@ def test_model_services_take_compile_layers():
         assert to_settings(parser().parse_args([*base, "--compile-layers"])).compile_layers
 
 
+def test_model_services_warm_up_cuda_graphs_unless_told_or_compiling():
+    """--graph-warmup-context: 1024 tokens by default, none with --compile-layers, never negative."""
+    from draft_service.main import build_parser as draft_parser, settings_from_args as draft_settings
+    from specdec.server.settings import ConfigError
+    from target_service.main import build_parser as target_parser, settings_from_args as target_settings
+
+    for parser, to_settings in ((target_parser, target_settings), (draft_parser, draft_settings)):
+        base = ["--plaintext", "--model", "smollm2-135m-instruct"]
+        warmup = lambda *flags: to_settings(parser().parse_args([*base, *flags])).graph_warmup_context  # noqa: E731
+        assert warmup() == 1024 and warmup("--compile-layers") == 0
+        assert warmup("--graph-warmup-context", "0") == 0
+        assert warmup("--compile-layers", "--graph-warmup-context", "512") == 512
+        with pytest.raises(ConfigError, match="--graph-warmup-context must be >= 0"):
+            warmup("--graph-warmup-context", "-1")
+
+
 def test_the_target_takes_a_trimming_margin_within_bounds():
     from specdec.server.settings import ConfigError
     from target_service.main import build_parser, settings_from_args

@@ -15,6 +15,11 @@ addresses, so this module runs the same layers as LlamaModel._forward with three
 - padded rows and padded tokens write their keys/values into the cache's scratch column (slot 0's for
   padded rows), which no mask ever admits, and their outputs are dropped.
 
+A shape is captured on its first use unless warm_up captured it at startup. Services warm up every
+shape up to a context (--graph-warmup-context): a lazy capture costs ~0.2 s for the 8B shape, and an
+adaptive draft length that tries each length 1..8 at each new key bucket paid dozens of them inside
+the first requests (docs/BENCHMARKS.md, "The adaptive draft length on a GPU").
+
 The output head runs outside the graph on the rows whose logits were asked for, as in eager mode.
 On a CPU the same static-shape code runs without capture: tests check it against the normal forward.
 """
@@ -144,6 +149,22 @@ class GraphRunner:
         # copied out (index_select below) right after its own replay, before another graph can reuse
         # that memory for its intermediates.
         self.pool = torch.cuda.graph_pool_handle() if capture else None
+
+    def warm_up(self, max_rows: int, max_keys: int) -> int:
+        """Capture now every shape a step of up to max_rows rows, 1..MAX_TOKENS_PER_ROW tokens per row and
+        up to max_keys keys can take (row buckets, key buckets); returns how many were new."""
+        top_rows = ROW_BUCKETS[bisect.bisect_left(ROW_BUCKETS, min(max(1, max_rows), ROW_BUCKETS[-1]))]
+        rows = [r for r in ROW_BUCKETS if r <= top_rows]
+        keys = self.key_buckets[: bisect.bisect_left(self.key_buckets, max(1, max_keys)) + 1]
+        before = len(self.forwards)
+        with torch.cuda.device(self.model.device) if self.capture else contextlib.nullcontext():
+            for key_len in keys:
+                for width in range(1, MAX_TOKENS_PER_ROW + 1):
+                    for num_rows in rows:
+                        shape = Shape(num_rows, width, key_len)
+                        if shape not in self.forwards:
+                            self._build(shape)
+        return len(self.forwards) - before
 
     def shape_for(self, starts: list[int], lengths: list[int]) -> Shape | None:
         rows, width = len(lengths), max(lengths)

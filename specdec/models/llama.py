@@ -18,6 +18,8 @@ static, bucketed shapes, replayed as CUDA graphs; anything else (prefills) runs 
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -31,6 +33,8 @@ from specdec.models.kv_cache import SlotKVCache
 from specdec.models.linear_kernels import choose_linear
 from specdec.models.llama_config import LlamaConfig
 from specdec.models.llama_weights import LayerWeights, load_weights
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -67,6 +71,8 @@ class LlamaModel:
     compile_layers (with cuda_graphs): the static path's layers as torch.compile'd pieces
     (compiled_layers.py), compiled on a CUDA device on each token count's first use; on a CPU the
     same pieces run uncompiled. Off by default: each new token count costs a compilation.
+    graph_warmup_context (with cuda_graphs): capture every decode and verify shape of up to num_slots
+    rows and this many keys now, instead of on first use (0: all on first use).
     """
 
     def __init__(
@@ -82,6 +88,7 @@ class LlamaModel:
         head_token_ids: torch.Tensor | None = None,
         cuda_graphs: bool = False,
         compile_layers: bool = False,
+        graph_warmup_context: int = 0,
     ):
         if dtype not in DTYPES:
             raise InvalidArgument(f"dtype {dtype!r} is not supported; choose one of {sorted(DTYPES)}")
@@ -121,6 +128,11 @@ class LlamaModel:
             name=name or str(path), architecture=cfg.architecture, vocab_size=cfg.vocab_size,
             max_context=max_context, dtype=dtype, device=str(self.device), backend="native",
         )
+        if self.graphs is not None and graph_warmup_context > 0:
+            started = time.perf_counter()
+            new = self.graphs.warm_up(self.num_slots, min(graph_warmup_context, max_context))
+            log.info("CUDA graphs: %d step shapes ready in %.1f s (up to %d rows, %d tokens of context)",
+                     new, time.perf_counter() - started, self.num_slots, graph_warmup_context)
 
     # Slots: the cache does the bookkeeping -----------------------------------------------------------
 

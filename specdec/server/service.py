@@ -32,6 +32,9 @@ from specdec.server.settings import ConfigError, ServerSettings
 log = logging.getLogger(__name__)
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# Tokens of context whose CUDA-graph step shapes a service captures at startup: most chat turns fit
+# (Spec-Bench prompts plus their answers do); longer sessions capture their larger key buckets lazily.
+GRAPH_WARMUP_CONTEXT = 1024
 
 
 def add_model_arguments(group: Any, *, num_slots_help: str) -> None:
@@ -47,6 +50,11 @@ def add_model_arguments(group: Any, *, num_slots_help: str) -> None:
     group.add_argument("--compile-layers", action="store_true",
                        help="torch.compile the CUDA-graph steps' layers (native backend on a CUDA device; "
                             "15-65 s of compilation per new step shape; specdec/models/compiled_layers.py)")
+    group.add_argument("--graph-warmup-context", type=int, default=None, metavar="TOKENS",
+                       help="with CUDA graphs: capture every decode and verify shape of up to --num-slots "
+                            f"sessions and this many tokens of context at startup (default {GRAPH_WARMUP_CONTEXT}; "
+                            "0 with --compile-layers, where each shape compiles for 15-65 s); 0: capture each "
+                            "shape on its first use, inside a request")
     group.add_argument("--num-slots", type=int, default=8, help=num_slots_help)
     group.add_argument("--max-context", type=int, default=None, help="tokens per session (default: the model's)")
     group.add_argument("--session-ttl", type=float, default=600.0, help="seconds before an idle session expires")
@@ -58,6 +66,7 @@ def model_settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The add_model_arguments flags as keyword arguments of a service's settings."""
     return {"backend": args.backend, "device": args.device, "dtype": args.dtype, "num_slots": args.num_slots,
             "cuda_graphs": cuda_graphs_flag(args.cuda_graphs), "compile_layers": args.compile_layers,
+            "graph_warmup_context": graph_warmup_context(args.graph_warmup_context, args.compile_layers),
             "max_context": args.max_context, "session_ttl_s": args.session_ttl, "ready_file": args.ready_file}
 
 
@@ -92,6 +101,15 @@ def add_batching_arguments(group: Any, *, what: str) -> None:
 
 def batch_settings_from_args(args: argparse.Namespace) -> BatchSettings:
     return BatchSettings(args.max_batch_size, args.batch_wait_ms / 1000, args.batch_gather)
+
+
+def graph_warmup_context(value: int | None, compile_layers: bool) -> int:
+    """--graph-warmup-context: the flag's value, or its default (none with --compile-layers)."""
+    if value is None:
+        return 0 if compile_layers else GRAPH_WARMUP_CONTEXT
+    if value < 0:
+        raise ConfigError(f"--graph-warmup-context must be >= 0 tokens, got {value}")
+    return value
 
 
 def cuda_graphs_flag(value: str | None) -> bool | None:
