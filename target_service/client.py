@@ -25,7 +25,7 @@ import grpc.aio
 
 from specdec import errors
 from specdec.engine.api import decode_by_steps
-from specdec.engine.cycle_cost import TARGET, report_model_time
+from specdec.engine.cycle_cost import TARGET, report_draft_limit, report_model_time
 from specdec.models.base import ModelInfo
 from specdec.rpc import target_pb2, target_pb2_grpc
 from specdec.rpc_convert import (
@@ -153,6 +153,7 @@ class TargetClient(ServiceClient):
                 timing = server_timing_seconds(response)
                 if timing is not None:
                     report_model_time(self.ROLE, *timing, now - last)
+                report_draft_limit(response.draft_limit if response.HasField("draft_limit") else None)
                 last = now
                 yield list(response.token_ids)
         finally:

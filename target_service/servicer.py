@@ -168,7 +168,7 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
                 generated += len(tokens)
                 stream.next_step(steps)  # the next step runs while this token is written
                 yield target_pb2.TargetServiceDecodeStreamResponse(
-                    token_ids=tokens, position=position,
+                    token_ids=tokens, position=position, draft_limit=self._draft_limit(session_id),
                     timing=server_timing_to_proto(cost.model_ns, cost.queued_ns, started_ns),
                 )
                 started_ns = time.perf_counter_ns()
@@ -177,6 +177,11 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
             if self._streams.get(session_id) is stream:
                 del self._streams[session_id]
             annotate(**{"specdec.num_generated_tokens": generated})
+
+    def _draft_limit(self, session_id: str) -> int | None:
+        """What a draft of this session would have kept in its latest step (goodput.py), if known.
+        (That step, or the next one, which may already run: either is the current load.)"""
+        return None if self.trimmer is None else self.trimmer.draft_limits.get(session_id)
 
     def end_stream(self, session_id: str) -> None:
         stream = self._streams.pop(session_id, None)

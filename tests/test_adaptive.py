@@ -286,6 +286,29 @@ def test_plain_run_says_how_many_plain_steps_come_before_the_next_probe():
     assert on.next_k() == 0 and on.plain_run() == 1  # measuring plain decoding: one step
 
 
+def test_no_probe_while_the_target_says_it_would_verify_no_draft():
+    """The target's draft_limit of each plain step: 0 holds the probes back (fixed and adaptive
+    lengths alike) and makes plain runs last a probe interval; once it says more, or nothing, the
+    probe that was due comes at once."""
+    for policy in (DraftLengthPolicy(initial=4, max_tokens=4, probe_every=3, adapt=False),
+                   DraftLengthPolicy(initial=4, max_tokens=8, probe_every=3, first_probe_after=3)):
+        policy.observe_cycle(0, 0, 0.0, 0.05)
+        policy.limit(0)  # trimmed to nothing: plain decoding
+        for _ in range(40):
+            assert policy.next_k() == 0
+            assert policy.plain_run() == policy._probe_interval
+            policy.observe_plain(0.05, draft_limit=0)
+        policy.observe_plain(0.05, draft_limit=2)
+        assert policy.next_k() > 0  # overdue: at once
+        policy.observe_cycle(0, 0, 0.0, 0.05)
+        policy.limit(0)
+        waits = 0
+        while policy.next_k() == 0:
+            policy.observe_plain(0.05, draft_limit=None)  # an older target, or a session alone
+            waits += 1
+        assert 0 < waits <= 48  # probed on the usual (doubled) interval
+
+
 @pytest.mark.parametrize("argv, adaptive_max, plain_streaming", [
     ([], 8, True),
     (["--max-adaptive-draft-tokens", "12", "--plain-decoding", "calls"], 12, False),

@@ -102,6 +102,32 @@ def test_speculation_that_barely_pays_in_the_step_is_cut_by_the_margin():
     assert good.trim(rows)[0].draft.num_tokens == 4
 
 
+def test_each_plain_row_is_told_what_a_draft_of_its_own_would_have_kept():
+    """draft_limits: for every DecodeWork row, the drafted tokens the same step would have verified
+    had that row been a verify of 8 (the others as they were): what trim itself keeps then."""
+    for beta, margin in ((BETA, 0.2), (BETA, 0.0), (0.05, 0.2), (0.0, 0.2)):
+        trimmer = trimmer_with_cost(beta=beta, margin=margin)
+        for session_id, accepted in (("good", 4), ("fair", 2), ("poor", 0)):
+            teach(trimmer, session_id, accepted, 4)
+        for others in (["fair"], ["good", "poor"], ["new", "fair", "poor"]):
+            for session_id in ("good", "fair", "poor", "new"):
+                rows = [DecodeWork(s, 10) for s in others if s != session_id]
+                if not rows:
+                    continue  # alone (below)
+                trimmer.trim([DecodeWork(session_id, 10), *rows])
+                told = trimmer.draft_limits[session_id]
+                kept = trimmer.trim([verify(session_id, 8), *rows])[0].draft.num_tokens
+                assert told == kept, (beta, margin, others, session_id)
+    loaded = trimmer_with_cost(beta=0.05, margin=0.2)  # a compute-bound step: no draft pays
+    loaded.trim([DecodeWork("a", 10), DecodeWork("b", 10)])
+    assert loaded.draft_limits == {"a": 0, "b": 0}
+    flat = trimmer_with_cost(beta=0.0)  # tokens cost nothing extra: the whole probe
+    flat.trim([DecodeWork("a", 10), verify("b", 4)])
+    assert flat.draft_limits == {"a": 8}  # only plain rows are told
+    flat.trim([DecodeWork("a", 10)])
+    assert flat.draft_limits == {}  # alone: the coordinator's call
+
+
 def test_prefix_keeps_the_distributions_of_the_kept_tokens():
     block = DraftBlock(torch.tensor([4, 5, 6]), torch.tensor([[4, 1], [5, 2], [6, 3]]),
                        torch.tensor([[0.5, 0.5], [0.9, 0.1], [1.0, 0.0]]))
@@ -164,6 +190,41 @@ class TrimmingTarget:
 
     async def verify(self, session_id, position, draft, epoch=0):
         return await self.target.verify(session_id, position, prefix(draft, 0), epoch)
+
+
+class RefusingTarget(TrimmingTarget):
+    """... and says so with every plain step (the DecodeStream message's draft_limit 0)."""
+
+    async def decode_stream(self, *args, **kwargs):
+        from specdec.engine.cycle_cost import report_draft_limit
+
+        async for tokens in self.target.decode_stream(*args, **kwargs):
+            report_draft_limit(0)
+            yield tokens
+
+
+async def test_a_target_that_refuses_drafts_gets_no_probes(tiny_dir):
+    """A fixed draft length trimmed to nothing re-probes on a doubling interval; told by each plain
+    step that no draft would be verified, it does not probe at all."""
+    from specdec.engine.draft import DraftEngine
+    from specdec.engine.local import LocalDraft, LocalTarget
+    from specdec.generation.loop import LoopSettings, generate
+    from specdec.generation.stopping import StopChecker
+    from specdec.proposers.draft_model import DraftModelProposer
+
+    async def emit(tokens):
+        pass
+
+    load = lambda: load_model(tiny_dir, backend="native", num_slots=2, max_context=256)  # noqa: E731
+    draft = LocalDraft(DraftEngine(DraftModelProposer(load())))
+    target = LocalTarget(TargetEngine(load()))
+    results = {}
+    for name, wrapper in (("trimming", TrimmingTarget), ("refusing", RefusingTarget)):
+        results[name] = await generate(wrapper(target), draft, name, [5, 6, 7], SamplingParams(), StopChecker(200),
+                                       emit, LoopSettings(num_draft_tokens=4, adaptive=False))
+    assert results["trimming"].token_ids == results["refusing"].token_ids
+    assert results["trimming"].stats.cycles >= 3  # the first try, then probes at 32 and 96
+    assert results["refusing"].stats.cycles == 1  # the first try only
 
 
 async def test_the_adaptive_loop_stops_drafting_when_the_target_trims(tiny_dir):

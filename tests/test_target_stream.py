@@ -247,3 +247,52 @@ async def test_a_target_older_than_decode_stream_gets_one_decode_call_per_step(t
     finally:
         await host.shutdown()
         executor.shutdown()
+
+
+@pytest.mark.parametrize("beta, limits", [(0.05, {0}), (0.0, {8})], ids=["compute-bound", "flat"])
+async def test_each_message_says_what_a_draft_of_the_session_would_have_kept(target_dir, reference, beta, limits):
+    """With goodput trimming on, a message whose step batched the session with others carries the
+    trimmer's draft_limit for it (0 where drafted tokens would not pay, 8 where they cost nothing),
+    the client reports it into the cycle, and a step the session had alone carries none."""
+    from specdec.observability.metrics import TargetMetrics, new_registry
+    from specdec.server.bootstrap import ModelExecutor, ServiceHost
+    from specdec.server.service import BatchSettings
+    from specdec.server.settings import ServerSettings
+    from target_service.servicer import TargetServicer
+
+    engine = TargetEngine(load_model(target_dir, backend="native", num_slots=4, max_context=CONTEXT))
+    executor = ModelExecutor("trimming-target")
+    servicer = TargetServicer(engine, executor, TargetMetrics(new_registry(process=False)),
+                              batching=BatchSettings(batch_wait_s=0.005), trim_drafts=True, trim_margin=0.2)
+    servicer.trimmer.cost.fit = lambda: (0.01, beta)  # the step cost, as if measured: not the tiny model's
+
+    def register(server):
+        target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)
+        return ["specdec.v1.TargetService"]
+
+    host = ServiceHost(ServerSettings(port=0, plaintext=True, grace_period_s=0.0), register)
+    await host.start()
+    expected = reference(13)
+    try:
+        async with connect(f"127.0.0.1:{host.port}", ClientSettings(plaintext=True, timeout_s=30.0)) as target:
+            async def one() -> tuple[list[int], list[int | None]]:
+                session_id = uuid.uuid4().hex
+                position, _ = await target.start_session(session_id, PROMPT, GREEDY)
+                tokens, told = [], []
+                stream = target.decode_stream(session_id, position, 12)
+                for _ in range(12):
+                    with measure_cycle() as cost:
+                        tokens += await anext(stream)
+                    told.append(cost.target_draft_limit)
+                await stream.aclose()
+                return tokens, told
+
+            together = await asyncio.gather(one(), one(), one())
+            alone_tokens, alone_told = await one()
+    finally:
+        await host.shutdown()
+        executor.shutdown()
+    assert [tokens for tokens, _ in together] == [expected[1:]] * 3 and alone_tokens == expected[1:]
+    told = [limit for _, each in together for limit in each]
+    assert set(told) - {None} == limits and told.count(None) < len(told) / 2
+    assert set(alone_told) == {None}

@@ -34,6 +34,9 @@ class CycleCost:
     queued_s: float = 0.0  # waiting in the services' batchers before a step
     handler_s: float = 0.0  # the services' handlers, request in to response built (model included)
     calls_s: float = 0.0  # the calls' round trips as the caller measured them (handlers included)
+    # A plain step's: drafted tokens the target would have verified for this session in that step
+    # (its goodput trimming; None: not said). Not a cost, but it travels the same way.
+    target_draft_limit: int | None = None
 
     @property
     def model_s(self) -> float:
@@ -71,6 +74,13 @@ def report_model_time(role: str, model_s: float, queued_s: float = 0.0, handler_
     cost = _current.get()
     if cost is not None:
         cost.add_model_time(role, model_s, queued_s, handler_s, call_s)
+
+
+def report_draft_limit(num_tokens: int | None) -> None:
+    """The target said how many drafted tokens it would have verified in the cycle's plain step."""
+    cost = _current.get()
+    if cost is not None:
+        cost.target_draft_limit = num_tokens
 
 
 @contextlib.contextmanager

@@ -18,6 +18,12 @@ a_i^j while that raises the goodput. Verifying a prefix of a draft is verifying 
 the output is unchanged. The outcome's num_drafted says how many tokens were verified, so the
 coordinator's adaptive draft length sees the trimmed length and its cost, and shrinks k or stops
 drafting by itself (plain decoding while every drafted token is cut).
+
+The trimmer also tells each session that decodes plainly how many drafted tokens this step would
+have verified for it (draft_limits: its row as a verify of up to ADMISSION_PROBE_TOKENS at its own
+acceptance, the others as they are). A coordinator whose session speculates no longer probes while
+that is 0: under load every probe cost its session a draft round trip and the batch a longer step
+for nothing, and at 4 sessions on a CPU those probes were most of speculation's loss to plain decoding.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from typing import Sequence
 from specdec.engine.batch import DecodeWork, Result, VerifyWork, Work, run_target_batch
 from specdec.engine.target import TargetEngine
 from specdec.types import DraftBlock, VerifyOutcome
+
+ADMISSION_PROBE_TOKENS = 8  # the draft a plain row is asked about (the longest CUDA-graph verify)
 
 
 @dataclass
@@ -89,6 +97,9 @@ class DraftTrimmer:
         self.cost = StepCost()
         self.trimmed_tokens = 0  # drafted tokens left unverified so far (a metric)
         self._sessions: OrderedDict[str, _Acceptance] = OrderedDict()  # least recently seen first
+        # Session -> drafted tokens the last step would have verified for its plain row (see the
+        # module's doc). Replaced whole after each step, so other threads may read it as it is.
+        self.draft_limits: dict[str, int] = {}
 
     def acceptance(self, session_id: str) -> float:
         stats = self._sessions.get(session_id)
@@ -103,17 +114,35 @@ class DraftTrimmer:
         adaptive draft length already weighs them against its own measured costs."""
         fit = self.cost.fit()
         if fit is None or len(works) < 2:  # no cost measured yet, or no one else in the step
+            self.draft_limits = {}  # nothing known: the coordinators probe as they see fit
             return list(works)
         alpha, beta = fit
-        gain = float(len(works))  # every row commits one token: decoded, recovered or bonus
-        tokens = sum(1 + len(w.append_token_ids) if isinstance(w, DecodeWork) else 1 for w in works)
-        plain_goodput = gain / (alpha + beta * tokens)
+        plain_gain = float(len(works))  # every row commits one token: decoded, recovered or bonus
+        plain_tokens = sum(1 + len(w.append_token_ids) if isinstance(w, DecodeWork) else 1 for w in works)
         candidates = []  # (a_i^j, work index): what drafted token j of row i is expected to add
         for index, work in enumerate(works):
             if isinstance(work, VerifyWork):
                 a = self.acceptance(work.session_id)
                 candidates += [(a ** j, index) for j in range(1, work.draft.num_tokens + 1)]
-        keep = [0] * len(works)
+        keep, gain, tokens = self._admit(candidates, len(works), alpha, beta, plain_gain, plain_tokens)
+        self.draft_limits = {
+            work.session_id: self._admit(
+                [(self.acceptance(work.session_id) ** j, 0) for j in range(1, ADMISSION_PROBE_TOKENS + 1)],
+                1, alpha, beta, gain, tokens, plain_gain, plain_tokens)[0][0]
+            for work in works if isinstance(work, DecodeWork)
+        }
+        return [self._cut(work, keep[i]) if isinstance(work, VerifyWork) else work
+                for i, work in enumerate(works)]
+
+    def _admit(self, candidates: list[tuple[float, int]], num_rows: int, alpha: float, beta: float, gain: float,
+               tokens: int, plain_gain: float | None = None, plain_tokens: int | None = None,
+               ) -> tuple[list[int], float, int]:
+        """Drafted tokens kept per row (candidates: (a_i^j, row)), greedily by expected gain, on top of
+        a step of `tokens` fed and `gain` expected; then the step's gain and tokens. All cut unless
+        the step beats plain decoding (plain_gain / plain_tokens: default the starting point) by
+        the margin."""
+        plain_goodput = (plain_gain or gain) / (alpha + beta * (plain_tokens or tokens))
+        start, keep = (gain, tokens), [0] * num_rows
         for value, index in sorted(candidates, reverse=True):
             # (gain + value) / T(tokens + 1) > gain / T(tokens)  <=>  value * T(tokens) > gain * beta
             if value * (alpha + beta * tokens) <= gain * beta:
@@ -121,9 +150,8 @@ class DraftTrimmer:
             gain, tokens = gain + value, tokens + 1
             keep[index] += 1  # a row's values fall with j, so its kept tokens are a prefix
         if gain / (alpha + beta * tokens) < (1.0 + self.margin) * plain_goodput:
-            keep = [0] * len(works)  # not worth what the step cost does not show: decode plainly
-        return [self._cut(work, keep[i]) if isinstance(work, VerifyWork) else work
-                for i, work in enumerate(works)]
+            return [0] * num_rows, *start  # not worth what the step cost does not show: decode plainly
+        return keep, gain, tokens
 
     def observe(self, works: Sequence[Work], results: Sequence[Result], seconds: float) -> None:
         """After a step: its cost, and the acceptance seen by each verified draft."""

@@ -91,6 +91,7 @@ class DraftLengthPolicy:
     _probe_interval: int = 0  # plain cycles between probes now: probe_every, longer under load
     _limited_for: int = 0  # fixed length: cycles drafted under a trimmed limit so far
     _off_votes: int = 0  # consecutive "plain" verdicts while speculating
+    _target_refuses: bool = False  # the last plain step's target would have verified no draft
     _calibration: ConfidenceCalibration = field(default_factory=ConfidenceCalibration)
     _best_rate: float | None = None  # tokens per second of best_k's choice
 
@@ -122,7 +123,7 @@ class DraftLengthPolicy:
     def next_k(self) -> int:
         """How many tokens to draft in the next cycle (0: decode plainly)."""
         if self._current == 0:
-            if self._plain_since_probe >= self._probe_interval:
+            if self._plain_since_probe >= self._probe_interval and not self._target_refuses:
                 self._plain_since_probe = 0
                 return max(1, min(self.initial, self.max_tokens))  # one probe cycle
             return 0
@@ -141,6 +142,8 @@ class DraftLengthPolicy:
         (up to the next probe while off, else this exploring step alone), so that the loop decodes
         them as one streamed run."""
         if self._current == 0:
+            if self._target_refuses:  # until it says otherwise (the run ends then, at the next probe)
+                return self._probe_interval
             return max(1, self._probe_interval - self._plain_since_probe)
         return 1
 
@@ -218,7 +221,11 @@ class DraftLengthPolicy:
         if num_tokens == 0:
             self._probe_interval = min(2 * self._probe_interval, 16 * self.probe_every)
 
-    def observe_plain(self, step_s: float, overhead_s: float = 0.0) -> None:
+    def observe_plain(self, step_s: float, overhead_s: float = 0.0, draft_limit: int | None = None) -> None:
+        """A plain step: its model seconds, its seconds outside the model, and how many drafted tokens
+        the target would have verified in that step (None: it did not say). While the target says 0,
+        no probe is made: it would be trimmed to nothing at the cost of a draft round trip."""
+        self._target_refuses = draft_limit == 0
         self._plain_seen, self._since_plain = True, 0
         self._forward.observe(1, step_s)
         self._plain_overhead_s = self._ewma(self._plain_overhead_s, overhead_s)

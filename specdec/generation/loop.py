@@ -191,7 +191,7 @@ class SpeculativeLoop:
             draft_s, target_s = cost.draft_model_s, cost.target_model_s
         overhead_s = max(0.0, cost.wall_s - draft_s - target_s)
         if outcome is None:
-            self.policy.observe_plain(target_s, overhead_s)
+            self.policy.observe_plain(target_s, overhead_s, cost.target_draft_limit)
         else:
             self.policy.observe_cycle(outcome.num_drafted, outcome.num_accepted, draft_s, target_s, overhead_s,
                                       confidences, steady=not catching_up)
