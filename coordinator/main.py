@@ -50,6 +50,8 @@ def build(settings: CoordinatorSettings, *, tracer_provider=None, registry=None,
     from opentelemetry import trace
 
     from coordinator.prompts import PromptEncoder
+    from coordinator.local_draft import LocalNgramDraft
+    from coordinator.settings import is_local
     from coordinator.routing import Router
     from coordinator.servicer import CoordinatorServicer, status_name
     from coordinator.sessions import SessionConfig, SessionManager
@@ -66,9 +68,14 @@ def build(settings: CoordinatorSettings, *, tracer_provider=None, registry=None,
     store = SessionStore(client, settings.session_ttl_s, prefix=settings.redis_prefix)
     # Flags name the replicas of a kind; without them, replicas of that kind are found in Redis.
     discovery = ReplicaRegistry(client, settings.redis_prefix)
+    def draft_client(endpoint: str):
+        if is_local(endpoint):  # --draft local:ngram: prompt lookup in this process
+            return LocalNgramDraft(settings.session_ttl_s, settings.limits.max_draft_tokens)
+        return connect_draft(endpoint, settings.draft_client, tracer_provider=tracer_provider)
+
     router = Router(
         lambda e: connect_target(e, settings.target_client, tracer_provider=tracer_provider),
-        lambda e: connect_draft(e, settings.draft_client, tracer_provider=tracer_provider),
+        draft_client,
         targets=settings.targets, drafts=settings.drafts, baseline_targets=settings.baseline_targets,
         registry=discovery,
     )

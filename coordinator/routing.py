@@ -171,7 +171,7 @@ class Router:
             log.warning("draft %s did not answer GetInfo: %s", endpoint, exc)
             self.failed(endpoint)
             return False
-        if description.vocab_fingerprint != fingerprint:
+        if description.vocab_fingerprint != fingerprint and not description.any_vocabulary:
             if (endpoint, fingerprint) not in self._refused:  # say it once, not per session
                 self._refused.add((endpoint, fingerprint))
                 log.error(

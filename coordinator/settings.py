@@ -23,6 +23,12 @@ from specdec.server.settings import (
 from coordinator.canary_settings import CanarySettings, add_canary_arguments, canary_settings_from_args
 from coordinator.requests import Limits, Pool
 
+LOCAL_NGRAM = "local:ngram"  # --draft: prompt lookup inside the coordinator (coordinator/local_draft.py)
+
+
+def is_local(endpoint: str) -> bool:
+    return endpoint == LOCAL_NGRAM
+
 SERVICE = "coordinator"
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9101
@@ -82,10 +88,10 @@ class CoordinatorSettings:
         for name in ("session_ttl_s", "owner_lease_s", "failover_timeout_s", "redis_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"--{name[:-2].replace('_', '-')} must be > 0 seconds")
-        for endpoint in (*self.targets, *self.drafts, *self.baseline_targets):
+        for endpoint in (*self.targets, *(d for d in self.drafts if not is_local(d)), *self.baseline_targets):
             host, _, port = endpoint.rpartition(":")
             if not host or not port.isdigit():
-                raise ConfigError(f"an endpoint is host:port, got {endpoint!r}")
+                raise ConfigError(f"an endpoint is host:port (a draft may also be {LOCAL_NGRAM}), got {endpoint!r}")
 
 
 def add_arguments(parser: argparse.ArgumentParser, environ=os.environ) -> None:
@@ -97,7 +103,8 @@ def add_arguments(parser: argparse.ArgumentParser, environ=os.environ) -> None:
     g.add_argument("--target", action="append", default=[], metavar="HOST:PORT",
                    help="a target replica (repeatable); none: discover replicas in Redis")
     g.add_argument("--draft", action="append", default=[], metavar="HOST:PORT",
-                   help="a draft replica (repeatable); none: discover replicas in Redis")
+                   help="a draft replica (repeatable), or local:ngram for prompt lookup inside the coordinator "
+                        "(no draft service; one round trip per speculative cycle); none: discover replicas in Redis")
     g.add_argument("--baseline-target", action="append", default=[], metavar="HOST:PORT",
                    help="a target replica of the baseline pool (repeatable); none: --target replicas serve "
                         "both pools (or the registry's baseline pool)")

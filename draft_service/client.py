@@ -48,6 +48,7 @@ class DraftDescription(ServiceDescription):
     model: ModelInfo | None
     proposer: str
     max_draft_tokens: int
+    any_vocabulary: bool = False  # pairs with every target (coordinator.local_draft: lookup on ids)
 
 
 class DraftClient(ServiceClient):

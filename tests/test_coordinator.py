@@ -69,7 +69,7 @@ def reference(dirs):
 
 
 def coordinator(redis_url, dirs, services, draft: str | None = "same", **kwargs):
-    drafts = [services[draft].address] if draft else []
+    drafts = [] if not draft else ["local:ngram"] if draft == "local" else [services[draft].address]
     certs = services["certs"]
     client = ClientSettings(tls_ca=certs.ca_cert, tls_cert=certs.client_cert, tls_key=certs.client_key, timeout_s=10.0)
     return running_coordinator(redis_url, dirs["target"], [services["target"].address], drafts,
@@ -95,7 +95,7 @@ async def read_some(call, count: int) -> list:
     return got
 
 
-@pytest.mark.parametrize("draft", ["random", "same", "ngram", "baseline", "disabled"])
+@pytest.mark.parametrize("draft", ["random", "same", "ngram", "local", "baseline", "disabled"])
 async def test_greedy_output_equals_plain_decoding_and_is_recorded_before_it_is_streamed(
     redis_url, dirs, services, reference, draft
 ):
@@ -170,6 +170,27 @@ async def test_next_turn_appends_to_the_session_and_equals_plain_decoding_of_the
     assert info2.state == pb.SESSION_STATE_IDLE and info2.pool == pb.POOL_SPECULATIVE
     assert info1.sampling.seed == info2.sampling.seed and info2.sampling.temperature == 0.0  # drawn once, kept
     assert info2.stats.cycles == turn1[-1].stats.cycles + turn2[-1].stats.cycles
+
+
+async def test_prompt_lookup_inside_the_coordinator_continues_sessions_here_and_on_another_coordinator(
+    redis_url, dirs, services, reference
+):
+    """--draft local:ngram: a session's next turn finds its lookup draft in the same coordinator; on
+    another coordinator (a failover, a new replica) the draft is opened there. Both equal plain decoding."""
+    text = "red green blue red green blue"
+    prefix = f"local{time.monotonic_ns()}"  # one session store for both coordinators
+    async with coordinator(redis_url, dirs, services, "local", prefix=prefix) as first:
+        turn1 = await first.generate(prompt=text, max_new_tokens=12)
+        session_id = turn1[-1].session_id
+        turn2 = await first.generate(session_id=session_id, messages=[("user", text)], max_new_tokens=12)
+    async with coordinator(redis_url, dirs, services, "local", prefix=prefix) as second:
+        turn3 = await second.generate(session_id=session_id, messages=[("user", text)], max_new_tokens=12)
+        tokens = await second.tokens(session_id)
+    for turn in (turn1, turn2, turn3):
+        start = turn[-1].position - len(tokens_of(turn))
+        assert tokens_of(turn) == expected(reference, tokens[:start], 12)
+        stats = turn[-1].stats
+        assert stats.proposer == "ngram" and stats.cycles > 0 and stats.fallbacks == 0
 
 
 @pytest.mark.parametrize("pool", [pb.POOL_SPECULATIVE, pb.POOL_BASELINE], ids=["speculative", "baseline"])

@@ -168,6 +168,36 @@ def test_failing_draft_falls_back_to_plain_decoding(tiny_dirs):
     assert result.stats.fallbacks >= 2 and result.stats.decode_steps > 0 and result.stats.cycles > 0
 
 
+class ForgetfulDraft(LocalDraft):
+    """A draft that loses the session every third Propose (expired, evicted, or a draft inside
+    another coordinator): the loop reopens it at once, without falling back to plain decoding."""
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.calls = 0
+
+    async def propose(self, session_id, *args, **kwargs):
+        self.calls += 1
+        if self.calls % 3 == 0:
+            self.engine.end_session(session_id)
+        return await super().propose(session_id, *args, **kwargs)
+
+
+def test_a_draft_that_lost_the_session_is_reopened_at_once(tiny_dirs):
+    target = target_engine(tiny_dirs["target"])
+    plain = run(target, None, PROMPTS[0], SamplingParams(), max_new_tokens=40)
+    forgetful = ForgetfulDraft(draft_engine("same", tiny_dirs))
+
+    async def emit(tokens):
+        pass
+
+    result = asyncio.run(generate(LocalTarget(target), forgetful, "s", PROMPTS[0], SamplingParams(),
+                                  StopChecker(40), emit, LoopSettings(num_draft_tokens=3)))
+    assert result.token_ids == plain.token_ids
+    assert result.stats.fallbacks == 0 and forgetful.calls >= 6 and result.stats.decode_steps <= 1
+    assert result.stats.accepted == result.stats.drafted > 0  # the same model: every reopened draft agrees
+
+
 def test_sessions_survive_cache_eviction(tiny_dirs):
     """Two slots, three interleaved sessions: evicted sessions re-feed their tokens, same output."""
     target = target_engine(tiny_dirs["target"], num_slots=2)

@@ -134,3 +134,20 @@ def test_the_target_takes_a_trimming_margin_within_bounds():
     for bad in ("-0.1", "11", "nan"):
         with pytest.raises(ConfigError, match="--trim-margin must be in"):
             settings_from_args(build_parser().parse_args([*base, "--trim-margin", bad]))
+
+
+def test_the_coordinator_takes_local_ngram_as_a_draft_only():
+    """--draft local:ngram: prompt lookup inside the coordinator; no other name stands for a replica."""
+    import argparse
+
+    from coordinator.settings import add_arguments, settings_from_args
+    from specdec.server.settings import ConfigError
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, environ={})
+    base = ["--plaintext", "--tokenizer", "t", "--redis-url", "redis://x", "--target-plaintext", "--draft-plaintext"]
+    settings = settings_from_args(parser.parse_args([*base, "--target", "t:1", "--draft", "local:ngram"]))
+    assert settings.drafts == ("local:ngram",)
+    for bad in (["--target", "local:ngram"], ["--draft", "local:eagle"], ["--draft", "d"]):
+        with pytest.raises(ConfigError, match="an endpoint is host:port"):
+            settings_from_args(parser.parse_args([*base, *bad]))

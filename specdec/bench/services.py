@@ -11,6 +11,7 @@ import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specdec.bench.methods import LOCAL_PROPOSER
 from specdec.bench.netdelay import LoopbackNetwork
 from specdec.processes import ServiceProcess, stop_all
 
@@ -48,6 +49,8 @@ def draft_specs(options: ServiceOptions, proposers: list[str]) -> dict[str, tupl
     model += cuda_graphs_args(options)
     common = ["--plaintext", "--num-draft-tokens", str(options.num_draft_tokens)]
     for name in proposers:
+        if name == LOCAL_PROPOSER:
+            continue  # inside its coordinator (add_coordinators)
         if name == "ngram":
             specs[name] = ("draft_service", common + ["--proposer", "ngram", "--tokenizer", str(options.target_dir)])
         elif name == "draft-model":
@@ -75,6 +78,7 @@ class Deployment:
         self.redis_url = ""
         self.target: ServiceProcess | None = None
         self.drafts: dict[str, ServiceProcess] = {}
+        self.proposers: list[str] = []
         self.coordinators: dict[str, str] = {}  # proposer (or "baseline") -> address for clients
         self.processes: list[ServiceProcess] = []
 
@@ -92,6 +96,7 @@ class Deployment:
             if o.max_context:
                 target_args += ["--max-context", str(o.max_context)]
             target_args += cuda_graphs_args(o) + list(o.target_args)
+            self.proposers = list(proposers)
             self.target = self._spawn("target", "target_service", target_args)
             for name, (module, args) in draft_specs(o, proposers).items():
                 self.drafts[name] = self._spawn("draft", module, ["--host", self.network.host("draft"), *args])
@@ -108,6 +113,8 @@ class Deployment:
         the services through `network` (a delay network reuses the running services)."""
         target = network.route("target", self.target.address)
         plans = {name: ["--draft", network.route("draft", proc.address)] for name, proc in self.drafts.items()}
+        if LOCAL_PROPOSER in self.proposers:
+            plans[LOCAL_PROPOSER] = ["--draft", "local:ngram"]
         for variant in self.options.branch_coordinators:
             proposer, _, branches = variant.partition("@branches")
             if proposer in plans:

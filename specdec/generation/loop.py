@@ -20,7 +20,7 @@ from typing import Awaitable, Callable, ContextManager, Sequence
 
 from specdec.engine.api import DraftAPI, TargetAPI
 from specdec.engine.cycle_cost import CycleCost, measure_cycle
-from specdec.errors import ServiceUnavailable
+from specdec.errors import ServiceUnavailable, SessionNotFound
 from specdec.generation.adaptive import DraftLengthPolicy
 from specdec.generation.pipeline import PipelinedDrafting
 from specdec.generation.plain_runs import PlainRuns
@@ -242,6 +242,19 @@ class SpeculativeLoop:
             return None
 
     async def _propose(self, cursor: SessionCursor, k: int):
+        was_open = cursor.draft_ready
+        try:
+            return await self._propose_once(cursor, k)
+        except SessionNotFound:
+            if not was_open:
+                raise
+            # The draft no longer holds the session (it expired or was evicted there, or the draft
+            # lives inside another coordinator): reopen it now rather than decode plainly until a retry.
+            log.info("draft lost session %s; reopening it", cursor.session_id)
+            cursor.draft_ready = False
+            return await self._propose_once(cursor, k)
+
+    async def _propose_once(self, cursor: SessionCursor, k: int):
         if not cursor.draft_ready:
             # (Re)open the draft's session from the committed sequence: first use, or after a
             # failure when its state is unknown.
