@@ -34,7 +34,9 @@ DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9101
 # --pipelining auto: a session pipelines while at least this share of its blocks is accepted whole. On
 # shared CPU cores a miss's speculative draft slows the verify (BENCHMARKS.md, "Pipelined drafting":
-# 3-4% whole blocks cost 10-25%, 65% gained); a guess, not a tuned optimum.
+# 3-4% whole blocks cost 10-25%, 65% gained); a guess, not a tuned optimum. auto is the default since
+# it measured as good as sequential on the CPU pair and within 5% of always-on on two GPUs at alpha 0.9
+# (BENCHMARKS.md, "Pipelining by default").
 AUTO_MIN_FULL_ACCEPT = 0.2
 DRAFT_TIMEOUT_S = 5.0  # a slow draft only costs speed: give up on it soon and decode plainly
 
@@ -57,7 +59,9 @@ class CoordinatorSettings:
     # the target's CUDA graphs cover (specdec/models/cuda_graphs.py); longer ones run eagerly.
     max_adaptive_draft_tokens: int = 8
     retry_draft_after: int = 8
-    pipelining: bool = False  # draft the next block while the target verifies (requests may override)
+    # Draft the next block while the target verifies (requests may override). The flag's default is
+    # auto (True with the gate below); built in code, settings are sequential unless told.
+    pipelining: bool = False
     pipelining_min_full_accept: float = 0.0  # --pipelining auto: only while blocks are accepted whole this often
     pipeline_branches: int = 1  # branches per speculative draft (specdec.engine.alternatives)
     plain_streaming: bool = True  # --plain-decoding stream: a run of plain steps is one DecodeStream
@@ -121,11 +125,11 @@ def add_arguments(parser: argparse.ArgumentParser, environ=os.environ) -> None:
                    help="adaptive: per session, from measured acceptance and costs (requests naming "
                         "num_draft_tokens get that fixed length); fixed: --num-draft-tokens")
     g.add_argument("--max-draft-tokens", type=int, default=16, help="largest draft length a request may ask for")
-    g.add_argument("--pipelining", choices=["on", "off", "auto"], default="off",
+    g.add_argument("--pipelining", choices=["on", "off", "auto"], default="auto",
                    help="on: the draft drafts the next block while the target verifies the current one "
                         "(hides the draft's time on a hit; lossless either way); off: sequential cycles; "
-                        "auto: on per session while its recent share of wholly accepted blocks (which "
-                        "bounds the hit rate) is at least --pipelining-min-full-accept. A request's "
+                        "auto (default): on per session while its recent share of wholly accepted blocks "
+                        "(which bounds the hit rate) is at least --pipelining-min-full-accept. A request's "
                         "speculation.pipelined overrides it (true: on)")
     g.add_argument("--pipelining-min-full-accept", type=float, default=AUTO_MIN_FULL_ACCEPT,
                    help="the share of wholly accepted blocks below which --pipelining auto drafts sequentially")

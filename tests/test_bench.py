@@ -244,3 +244,26 @@ def test_a_speculative_method_that_never_speculated_is_flagged():
     overall = {"plain": {"cycles": 0}, "specdec-draft": {"cycles": 0, "decode_steps": 127},
                "specdec-ngram": {"cycles": 40}, "hf-assisted": {}, "_step_times": {}}
     assert did_not_speculate(overall) == ["specdec-draft"]
+
+
+def test_prompt_lookup_in_the_coordinator_and_coordinator_flags(models, tmp_path):
+    """specdec-ngram-local: the coordinator's own n-gram draft, no draft service; --coordinator-arg
+    reaches every coordinator (a sequential method's requests leave pipelining to it) and the report."""
+    target, draft = models
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": ["Say a b a b a b."]}) + "\n")
+    out = tmp_path / "bench.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "specdec.cli", "bench", "--target", str(target), "--draft", str(draft),
+         "--prompts", str(prompts), "--max-new-tokens", "16", "--threads", "1", "--timing-repeats", "1",
+         "--methods", "plain,specdec-ngram-local", "--coordinator-arg=--pipelining=on", "--no-progress",
+         "--out", str(out), "--log-dir", str(tmp_path / "logs")],
+        cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert report["meta"]["extra_service_flags"] == {"target": [], "coordinator": ["--pipelining=on"]}
+    local = report["batch1"]["overall"]["specdec-ngram-local"]
+    assert local["lossless_fraction"] == 1.0 and local["cycles"] > 0
+    assert local["pipeline_hit_rate"] is not None  # pipelined by the coordinator's flag, not the request
+    assert not list((tmp_path / "logs").glob("draft_service*"))  # no draft service was started

@@ -61,6 +61,7 @@ class BenchConfig:
     log_dir: Path | None = None
     extra_env: dict = field(default_factory=dict)
     target_args: tuple[str, ...] = ()  # extra flags for the target service (--target-arg)
+    coordinator_args: tuple[str, ...] = ()  # extra flags for every coordinator (--coordinator-arg)
 
 
 @dataclass
@@ -122,6 +123,7 @@ class Bench:
                               max_context=c.max_context,
                               num_draft_tokens=c.num_draft_tokens, replay_references=self.references,
                               replay_seed=c.replay_seed, extra_env=dict(c.extra_env), target_args=tuple(c.target_args),
+                              coordinator_args=tuple(c.coordinator_args),
                               plain_calls="plain-calls" in self.methods,
                               branch_coordinators=tuple(dict.fromkeys(
                                   coordinator_of(m) for m in self.methods
@@ -136,8 +138,10 @@ class Bench:
                 coordinator = coordinators["baseline" if name == "plain" else "baseline-calls"]
                 out[name] = ServiceMethod(name, coordinator, "baseline", 0, c.ignore_eos)
             elif is_service(name):
+                # A sequential method's requests leave pipelining to the coordinator (its default,
+                # or --coordinator-arg=--pipelining=auto); a pipelined one asks for it.
                 out[name] = ServiceMethod(name, coordinators[coordinator_of(name)], None, k, c.ignore_eos,
-                                          pipelined=is_pipelined(name))
+                                          pipelined=True if is_pipelined(name) else None)
         return out
 
     def in_process(self) -> EngineTimer:

@@ -33,6 +33,7 @@ class ServiceOptions:
     replay_seed: int = 0
     extra_env: dict = field(default_factory=dict)
     target_args: tuple[str, ...] = ()  # extra flags for the target service
+    coordinator_args: tuple[str, ...] = ()  # extra flags for every coordinator
     # Extra coordinators "<proposer>@branches<N>" with --pipeline-branches N (multi-outcome methods).
     branch_coordinators: tuple[str, ...] = ()
     plain_calls: bool = False  # a coordinator with --plain-decoding calls (method plain-calls)
@@ -127,7 +128,10 @@ class Deployment:
         for name, extra in plans.items():
             args = ["--host", "127.0.0.1", "--plaintext", "--tokenizer", str(self.options.target_dir),
                     "--redis-url", self.redis_url, "--target", target, "--target-plaintext",
-                    "--draft-plaintext", "--num-draft-tokens", str(self.options.num_draft_tokens), *extra]
+                    "--draft-plaintext", "--num-draft-tokens", str(self.options.num_draft_tokens),
+                    # Sequential methods are sequential unless --coordinator-arg says otherwise (the last
+                    # --pipelining given wins); pipelined methods ask for it in their requests.
+                    "--pipelining", "off", *extra, *self.options.coordinator_args]
             started[name] = self._spawn("coordinator", "coordinator", args)
         addresses = {}
         for name, proc in started.items():

@@ -34,8 +34,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--num-draft-tokens", "-k", type=int, default=4)
-    parser.add_argument("--pipelining", choices=["on", "off"], default="off",
-                        help="the coordinator's --pipelining: draft the next block during verification")
+    parser.add_argument("--pipelining", choices=["on", "off", "auto"], default="auto",
+                        help="the coordinator's --pipelining: draft the next block during verification "
+                             "(auto: per session, while its blocks are often accepted whole)")
     parser.add_argument("--pipeline-branches", type=int, choices=[1, 2, 3], default=1,
                         help="with --pipelining on: branches per speculative draft (2: + a second bonus guess, "
                              "3: + all but the last token accepted; docs/PIPELINING.md)")
