@@ -261,6 +261,21 @@ def test_both_pools_and_registry_discovery(default_docs):
     assert "specdec-target-baseline" not in no_baseline
 
 
+def test_prompt_lookup_inside_the_coordinator_deploys_no_draft_pods():
+    """models.draftProposer local-ngram: the coordinator drafts itself (--draft=local:ngram); no draft
+    Deployment, Service, PDB or HPA is rendered; every rendered manifest still validates."""
+    docs = render({"models": {"draftProposer": "local-ngram"}})
+    names = {d["metadata"]["name"] for d in docs}
+    assert not any("draft" in name for name in names), sorted(names)
+    coordinator = containers(by_kind(docs, "Deployment")["specdec-coordinator"])["coordinator"]
+    assert "--draft=local:ngram" in coordinator["args"]
+    assert {"specdec-target-speculative", "specdec-target-baseline"} <= set(by_kind(docs, "Deployment"))
+    report = helm.lint(CHART, {"models": {"draftProposer": "local-ngram"}}, strict=True)
+    assert not [m for m in report["messages"] if m["severity"] >= 2] and not report["errors"], report
+    for doc in docs:
+        validate(doc)
+
+
 def test_autoscaling_on_serving_metrics_not_cpu(default_docs):
     hpas = by_kind(default_docs, "HorizontalPodAutoscaler")
     targets = {**by_kind(default_docs, "Deployment")}

@@ -21,7 +21,9 @@
 {{- define "specdec.modelGroups" -}}
 - {kind: target, pool: baseline}
 - {kind: target, pool: speculative}
+{{- if ne .Values.models.draftProposer "local-ngram" }}{{/* local-ngram: drafts inside the coordinator */}}
 - {kind: draft, pool: speculative}
+{{- end }}
 {{- end }}
 
 {{/* Labels; call with (dict "root" $ "component" "target" "pool" "speculative") ------------------ */}}
