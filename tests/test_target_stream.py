@@ -209,12 +209,35 @@ def test_concurrent_streams_of_many_sessions_are_each_plain_decoding(service, re
 
 
 
-async def test_a_target_older_than_decode_stream_gets_one_decode_call_per_step(target_dir, reference):
-    """An older target answers DecodeStream with UNIMPLEMENTED: the client says so once and decodes
-    with Decode calls, with the same tokens, the stop token honoured."""
+@contextlib.asynccontextmanager
+async def hosted(target_dir, servicer_class, num_slots: int = 2, **options):
+    """A servicer_class over a tiny engine on a real gRPC server in this process (so that the test
+    can reach inside it), and a client of it; yields (client, servicer)."""
     from specdec.observability.metrics import TargetMetrics, new_registry
     from specdec.server.bootstrap import ModelExecutor, ServiceHost
     from specdec.server.settings import ServerSettings
+
+    engine = TargetEngine(load_model(target_dir, backend="native", num_slots=num_slots, max_context=CONTEXT))
+    executor = ModelExecutor("in-process-target")
+    servicer = servicer_class(engine, executor, TargetMetrics(new_registry(process=False)), **options)
+
+    def register(server):
+        target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)
+        return ["specdec.v1.TargetService"]
+
+    host = ServiceHost(ServerSettings(port=0, plaintext=True, grace_period_s=0.0), register)
+    await host.start()
+    try:
+        async with connect(f"127.0.0.1:{host.port}", ClientSettings(plaintext=True, timeout_s=30.0)) as target:
+            yield target, servicer
+    finally:
+        await host.shutdown()
+        executor.shutdown()
+
+
+async def test_a_target_older_than_decode_stream_gets_one_decode_call_per_step(target_dir, reference):
+    """An older target answers DecodeStream with UNIMPLEMENTED: the client says so once and decodes
+    with Decode calls, with the same tokens, the stop token honoured."""
     from target_service.servicer import TargetServicer
 
     class OlderTarget(TargetServicer):
@@ -222,31 +245,17 @@ async def test_a_target_older_than_decode_stream_gets_one_decode_call_per_step(t
             await context.abort(Code.UNIMPLEMENTED, "Method not found!")
             yield  # a streamed handler is an async generator
 
-    engine = TargetEngine(load_model(target_dir, backend="native", num_slots=2, max_context=CONTEXT))
-    executor = ModelExecutor("older-target")
-    servicer = OlderTarget(engine, executor, TargetMetrics(new_registry(process=False)))
-
-    def register(server):
-        target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)
-        return ["specdec.v1.TargetService"]
-
-    host = ServiceHost(ServerSettings(port=0, plaintext=True, grace_period_s=0.0), register)
-    await host.start()
     expected = reference(20)
     stop_token = expected[9]
     cut = expected[1:].index(stop_token) + 1
-    try:
-        async with connect(f"127.0.0.1:{host.port}", ClientSettings(plaintext=True, timeout_s=30.0)) as target:
-            session_id = uuid.uuid4().hex
-            position, _ = await target.start_session(session_id, PROMPT, GREEDY)
-            tokens = [t async for step in target.decode_stream(session_id, position, 15, stop_token_ids=[stop_token])
-                      for t in step]
-            assert tokens == expected[1:1 + cut] and target._decode_stream_unimplemented
-            more = [t async for step in target.decode_stream(session_id, position + cut, 3) for t in step]
-            assert more == expected[1 + cut:4 + cut]
-    finally:
-        await host.shutdown()
-        executor.shutdown()
+    async with hosted(target_dir, OlderTarget) as (target, _):
+        session_id = uuid.uuid4().hex
+        position, _ = await target.start_session(session_id, PROMPT, GREEDY)
+        tokens = [t async for step in target.decode_stream(session_id, position, 15, stop_token_ids=[stop_token])
+                  for t in step]
+        assert tokens == expected[1:1 + cut] and target._decode_stream_unimplemented
+        more = [t async for step in target.decode_stream(session_id, position + cut, 3) for t in step]
+        assert more == expected[1 + cut:4 + cut]
 
 
 @pytest.mark.parametrize("beta, limits", [(0.05, {0}), (0.0, {8})], ids=["compute-bound", "flat"])
@@ -254,44 +263,28 @@ async def test_each_message_says_what_a_draft_of_the_session_would_have_kept(tar
     """With goodput trimming on, a message whose step batched the session with others carries the
     trimmer's draft_limit for it (0 where drafted tokens would not pay, 8 where they cost nothing),
     the client reports it into the cycle, and a step the session had alone carries none."""
-    from specdec.observability.metrics import TargetMetrics, new_registry
-    from specdec.server.bootstrap import ModelExecutor, ServiceHost
     from specdec.server.service import BatchSettings
-    from specdec.server.settings import ServerSettings
     from target_service.servicer import TargetServicer
 
-    engine = TargetEngine(load_model(target_dir, backend="native", num_slots=4, max_context=CONTEXT))
-    executor = ModelExecutor("trimming-target")
-    servicer = TargetServicer(engine, executor, TargetMetrics(new_registry(process=False)),
-                              batching=BatchSettings(batch_wait_s=0.005), trim_drafts=True, trim_margin=0.2)
-    servicer.trimmer.cost.fit = lambda: (0.01, beta)  # the step cost, as if measured: not the tiny model's
-
-    def register(server):
-        target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)
-        return ["specdec.v1.TargetService"]
-
-    host = ServiceHost(ServerSettings(port=0, plaintext=True, grace_period_s=0.0), register)
-    await host.start()
     expected = reference(13)
-    try:
-        async with connect(f"127.0.0.1:{host.port}", ClientSettings(plaintext=True, timeout_s=30.0)) as target:
-            async def one() -> tuple[list[int], list[int | None]]:
-                session_id = uuid.uuid4().hex
-                position, _ = await target.start_session(session_id, PROMPT, GREEDY)
-                tokens, told = [], []
-                stream = target.decode_stream(session_id, position, 12)
-                for _ in range(12):
-                    with measure_cycle() as cost:
-                        tokens += await anext(stream)
-                    told.append(cost.target_draft_limit)
-                await stream.aclose()
-                return tokens, told
+    async with hosted(target_dir, TargetServicer, num_slots=4, batching=BatchSettings(batch_wait_s=0.005),
+                      trim_drafts=True, trim_margin=0.2) as (target, servicer):
+        servicer.trimmer.cost.fit = lambda: (0.01, beta)  # the step cost, as if measured: not the tiny model's
 
-            together = await asyncio.gather(one(), one(), one())
-            alone_tokens, alone_told = await one()
-    finally:
-        await host.shutdown()
-        executor.shutdown()
+        async def one() -> tuple[list[int], list[int | None]]:
+            session_id = uuid.uuid4().hex
+            position, _ = await target.start_session(session_id, PROMPT, GREEDY)
+            tokens, told = [], []
+            stream = target.decode_stream(session_id, position, 12)
+            for _ in range(12):
+                with measure_cycle() as cost:
+                    tokens += await anext(stream)
+                told.append(cost.target_draft_limit)
+            await stream.aclose()
+            return tokens, told
+
+        together = await asyncio.gather(one(), one(), one())
+        alone_tokens, alone_told = await one()
     assert [tokens for tokens, _ in together] == [expected[1:]] * 3 and alone_tokens == expected[1:]
     told = [limit for _, each in together for limit in each]
     assert set(told) - {None} == limits and told.count(None) < len(told) / 2
