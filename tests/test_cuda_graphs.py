@@ -63,9 +63,33 @@ def test_static_path_equals_the_normal_forward(root, case):
         assert torch.allclose(g, w, rtol=0, atol=1e-5 * w.abs().max().item())
         assert torch.equal(g.argmax(-1), w.argmax(-1))
     stats = static.graphs.stats
-    assert stats.replays == 5 and stats.eager_fallbacks == 5  # the 5 prefills ran eagerly
+    # The 20-token prefill ran as graphed pieces of 9, 9 and 2 tokens; the 4 longer ones eagerly.
+    assert stats.replays == 5 + 3 and stats.eager_fallbacks == 4
     assert stats.captured == 0  # no capture on a CPU
     assert [static.length(s) for s in range(4)] == [normal.length(s) for s in range(4)]
+
+
+def test_a_few_tokens_past_a_graphed_step_run_as_graphed_pieces(root):
+    """10-36 tokens per row (a draft catching up, a new turn): pieces of up to 9 tokens through the
+    graphed path, the KV cache carrying each into the next, the logits from each row's last piece;
+    the same logits as one forward. Logits asked beyond the last piece, or more tokens: eager."""
+    normal, static = pair(tiny_dir(root, "llama3"))
+    for model in (normal, static):
+        slots = [model.allocate() for _ in range(3)]
+        for i, slot in enumerate(slots):
+            model.forward([slot], [random_tokens(40 + 11 * i, seed=i)], [1])
+    rows = [random_tokens(n, seed=10 + n) for n in (10, 36, 23)]
+    want = normal.forward([0, 1, 2], rows, [1, 9, 5])
+    before = static.graphs.stats.replays
+    got = static.forward([0, 1, 2], rows, [1, 9, 5])  # 36 = 4 x 9: its 9 logits are its last piece
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and torch.allclose(g, w, rtol=0, atol=1e-5 * w.abs().max().item())
+    assert static.graphs.stats.replays - before == 4
+    assert [static.length(s) for s in range(3)] == [normal.length(s) for s in range(3)]
+    eager = static.graphs.stats.eager_fallbacks
+    static.forward([0], [random_tokens(12, seed=1)], [6])  # 6 logits, the last piece has 3 tokens
+    static.forward([1], [random_tokens(37, seed=2)], [1])  # more than 4 pieces
+    assert static.graphs.stats.eager_fallbacks == eager + 2
 
 
 def test_static_path_equals_transformers(root):
@@ -174,7 +198,8 @@ def test_cuda_graphs_equal_eager(root, case, dtype):
     tolerance = 1e-4 if dtype == "float32" else 2e-2  # bf16: a few units in the last place
     for g, w in zip(got, want):
         assert relative_error(g.cpu(), w.cpu()) <= tolerance
-    assert graphs.graphs.stats.captured == 5 and graphs.graphs.stats.replays == 5
+    # The script's 5 graphed steps, and its 20-token prefill as pieces of 9, 9, 2 (one shape more)
+    assert graphs.graphs.stats.captured == 6 and graphs.graphs.stats.replays == 8
 
 
 @pytest.mark.gpu
@@ -185,7 +210,7 @@ def test_cuda_graphs_on_a_device_that_is_not_the_current_one(root):
     want, got = script(eager), script(graphs)
     for g, w in zip(got, want):
         assert relative_error(g.cpu(), w.cpu()) <= 1e-4
-    assert graphs.graphs.stats.captured == 5
+    assert graphs.graphs.stats.captured == 6
 
 
 @pytest.mark.gpu
@@ -216,7 +241,8 @@ def test_cuda_graph_replays_track_the_cache(root):
     want = torch.cat([eager.forward([0], [[t]])[0] for t in tokens])
     got = torch.cat([graphs.forward([0], [[t]])[0] for t in tokens])
     assert relative_error(got.cpu(), want.cpu()) <= 1e-4
-    assert graphs.graphs.stats.captured == 1 and graphs.graphs.stats.replays == 20
+    # The 30-token prefill ran as graphed pieces of 9, 9, 9 and 3 (two shapes), then 20 decodes (one).
+    assert graphs.graphs.stats.captured == 3 and graphs.graphs.stats.replays == 4 + 20
 
 
 @pytest.mark.gpu

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
 MAX_TOKENS_PER_ROW = 9  # a verify of 8 drafted tokens
+GRAPH_CHUNKS = 4  # up to this many graphed pieces replace an eager forward (LlamaModel._chunkable)
 KEY_BUCKET = 256  # a capture of the 8B shape takes ~0.2 s, so many buckets are cheap
 
 
