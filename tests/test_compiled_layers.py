@@ -35,7 +35,7 @@ def test_split_layers_equal_the_normal_forward(root, case, linear_kernel):
     for g, w in zip(got, want):
         assert torch.allclose(g, w, rtol=0, atol=1e-5 * w.abs().max().item())
         assert torch.equal(g.argmax(-1), w.argmax(-1))
-    assert split.graphs.stats.replays == 5 and not split.graphs.layers.compile
+    assert split.graphs.stats.replays == 5 + 3 and not split.graphs.layers.compile  # + the 20-token prefill's pieces
 
 
 def test_compile_options_name_inductor_settings():
@@ -59,7 +59,8 @@ def decode_and_verify(model: LlamaModel) -> list[torch.Tensor]:
     """A prefill (eager), decodes replayed at new positions, then a two-row verify + decode: two token
     counts, so two compilations of each piece."""
     slot, other = model.allocate(), model.allocate()
-    out = model.forward([slot], [random_tokens(40)], [1]) + model.forward([other], [random_tokens(20, seed=1)], [1])
+    # Prefills longer than graphed pieces cover (36 tokens): eager, so that only two shapes compile.
+    out = model.forward([slot], [random_tokens(40)], [1]) + model.forward([other], [random_tokens(38, seed=1)], [1])
     out += [model.forward([slot], [[t]])[0] for t in random_tokens(4, seed=2)]
     out += model.forward([slot, other], [[1, 2, 3, 4, 5], [6]])
     return out
