@@ -16,6 +16,7 @@ from models_helpers import random_tokens, reference_logits, relative_error, tiny
 from specdec.engine.draft import DraftEngine
 from specdec.engine.local import LocalDraft, LocalTarget
 from specdec.engine.target import TargetEngine
+from specdec.errors import InvalidArgument
 from specdec.generation.equality import compare_outputs
 from specdec.generation.loop import LoopSettings, generate
 from specdec.generation.stopping import StopChecker
@@ -90,6 +91,11 @@ def test_a_few_tokens_past_a_graphed_step_run_as_graphed_pieces(root):
     static.forward([0], [random_tokens(12, seed=1)], [6])  # 6 logits, the last piece has 3 tokens
     static.forward([1], [random_tokens(37, seed=2)], [1])  # more than 4 pieces
     assert static.graphs.stats.eager_fallbacks == eager + 2
+    # A forward that does not fit is refused whole, before any piece commits.
+    static.forward([2], [random_tokens(290 - static.length(2), seed=3)], [1])  # eager: the slot at 290 of 300
+    with pytest.raises(InvalidArgument, match="context"):
+        static.forward([2], [random_tokens(20, seed=4)], [1])
+    assert static.length(2) == 290
 
 
 def test_static_path_equals_transformers(root):

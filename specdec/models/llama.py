@@ -220,7 +220,7 @@ class LlamaModel:
         the same 10-40 tokens as graphed pieces of 9 cost 3.5-9 ms (1B shape)."""
         from specdec.models.cuda_graphs import GRAPH_CHUNKS, MAX_TOKENS_PER_ROW as C
 
-        if not C < max(lengths) <= C * GRAPH_CHUNKS:
+        if not lengths or not C < max(lengths) <= C * GRAPH_CHUNKS:
             return False
         return all(n <= length - C * ((length - 1) // C) for length, n in zip(lengths, num_logits))
 
@@ -231,6 +231,7 @@ class LlamaModel:
         from its last piece. Returns what _forward returns, rows in order."""
         from specdec.models.cuda_graphs import MAX_TOKENS_PER_ROW as C
 
+        self._check(slots, token_ids, lengths, num_logits)  # the whole forward, before any piece commits
         out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for start in range(0, max(lengths), C):
             rows = [i for i, length in enumerate(lengths) if length > start]
