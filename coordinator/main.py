@@ -49,12 +49,12 @@ def build(settings: CoordinatorSettings, *, tracer_provider=None, registry=None,
     import redis.asyncio as redis
     from opentelemetry import trace
 
-    from coordinator.prompts import PromptEncoder
     from coordinator.local_draft import LocalNgramDraft
-    from coordinator.settings import is_local
+    from coordinator.prompts import PromptEncoder
     from coordinator.routing import Router
     from coordinator.servicer import CoordinatorServicer, status_name
     from coordinator.sessions import SessionConfig, SessionManager
+    from coordinator.settings import is_local
     from coordinator.telemetry import Telemetry
     from coordinator.turn import TurnSettings
     from draft_service.client import connect as connect_draft
@@ -68,6 +68,7 @@ def build(settings: CoordinatorSettings, *, tracer_provider=None, registry=None,
     store = SessionStore(client, settings.session_ttl_s, prefix=settings.redis_prefix)
     # Flags name the replicas of a kind; without them, replicas of that kind are found in Redis.
     discovery = ReplicaRegistry(client, settings.redis_prefix)
+
     def draft_client(endpoint: str):
         if is_local(endpoint):  # --draft local:ngram: prompt lookup in this process
             return LocalNgramDraft(settings.session_ttl_s, settings.limits.max_draft_tokens)

@@ -29,6 +29,7 @@ LOCAL_NGRAM = "local:ngram"  # --draft: prompt lookup inside the coordinator (co
 def is_local(endpoint: str) -> bool:
     return endpoint == LOCAL_NGRAM
 
+
 SERVICE = "coordinator"
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9101

@@ -1,5 +1,5 @@
 """What a forward of a width no CUDA graph covers costs on a GPU: eager on its first use, eager again,
-and as graphed pieces of up to 9 tokens (specdec.models.llama: LlamaModel._chunked).
+and as graphed pieces of up to 9 tokens (specdec.models.llama: LlamaModel._in_pieces).
 
     python scripts/bench_first_use.py --model random:llama3.2-1b --device cuda:0 --widths 1,5,9,10,16,17,23,31,40,48
 

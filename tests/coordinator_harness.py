@@ -27,6 +27,7 @@ from specdec.sampling.params import SamplingParams
 from specdec.server.bootstrap import ServiceHost
 from specdec.server.settings import ClientSettings, ServerSettings
 from specdec.store import SessionStore
+from specdec.testing.tiny_models import TINY_EOS_ID
 
 Code = grpc.StatusCode
 
@@ -47,6 +48,12 @@ class Reference:
         out = [first] + self.engine.decode(session_id, len(tokens) + 1, n - 1) if n > 1 else [first]
         self.engine.end_session(session_id)
         return out
+
+
+def expected(reference: Reference, tokens: list[int], n: int) -> list[int]:
+    """Plain greedy decoding of n tokens after `tokens`, cut after an EOS as generation stops there."""
+    out = reference.continuation(tokens, n)
+    return out[: out.index(TINY_EOS_ID) + 1] if TINY_EOS_ID in out else out
 
 
 @dataclass

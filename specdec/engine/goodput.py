@@ -124,24 +124,24 @@ class DraftTrimmer:
             if isinstance(work, VerifyWork):
                 a = self.acceptance(work.session_id)
                 candidates += [(a ** j, index) for j in range(1, work.draft.num_tokens + 1)]
-        keep, gain, tokens = self._admit(candidates, len(works), alpha, beta, plain_gain, plain_tokens)
-        self.draft_limits = {
-            work.session_id: self._admit(
-                [(self.acceptance(work.session_id) ** j, 0) for j in range(1, ADMISSION_PROBE_TOKENS + 1)],
-                1, alpha, beta, gain, tokens, plain_gain, plain_tokens)[0][0]
-            for work in works if isinstance(work, DecodeWork)
-        }
+        plain = (plain_gain, plain_tokens)
+        keep, gain, tokens = self._admit(candidates, len(works), alpha, beta, plain_gain, plain_tokens, plain)
+        limits = {}
+        for work in works:
+            if isinstance(work, DecodeWork):
+                a = self.acceptance(work.session_id)
+                probe = [(a ** j, 0) for j in range(1, ADMISSION_PROBE_TOKENS + 1)]
+                limits[work.session_id] = self._admit(probe, 1, alpha, beta, gain, tokens, plain)[0][0]
+        self.draft_limits = limits
         return [self._cut(work, keep[i]) if isinstance(work, VerifyWork) else work
                 for i, work in enumerate(works)]
 
     def _admit(self, candidates: list[tuple[float, int]], num_rows: int, alpha: float, beta: float, gain: float,
-               tokens: int, plain_gain: float | None = None, plain_tokens: int | None = None,
-               ) -> tuple[list[int], float, int]:
+               tokens: int, plain: tuple[float, int]) -> tuple[list[int], float, int]:
         """Drafted tokens kept per row (candidates: (a_i^j, row)), greedily by expected gain, on top of
         a step of `tokens` fed and `gain` expected; then the step's gain and tokens. All cut unless
-        the step beats plain decoding (plain_gain / plain_tokens: default the starting point) by
-        the margin."""
-        plain_goodput = (plain_gain or gain) / (alpha + beta * (plain_tokens or tokens))
+        the step beats plain decoding (plain: the all-plain step's gain and tokens) by the margin."""
+        plain_goodput = plain[0] / (alpha + beta * plain[1])
         start, keep = (gain, tokens), [0] * num_rows
         for value, index in sorted(candidates, reverse=True):
             # (gain + value) / T(tokens + 1) > gain / T(tokens)  <=>  value * T(tokens) > gain * beta

@@ -199,8 +199,8 @@ class LlamaModel:
     def _forward(
         self, slots: list[int], token_ids: Sequence[Sequence[int]], lengths: list[int], num_logits: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.graphs is not None and self._chunkable(lengths, num_logits):
-            return self._chunked(slots, token_ids, lengths, num_logits)
+        if self.graphs is not None and self.graphs.fits_in_pieces(lengths, num_logits):
+            return self._in_pieces(slots, token_ids, lengths, num_logits, self.graphs.piece)
         starts = self._check(slots, token_ids, lengths, num_logits)
         h = None
         if self.graphs is not None:
@@ -213,36 +213,24 @@ class LlamaModel:
         self.cache.advance(slots, lengths)
         return logits, h
 
-    def _chunkable(self, lengths: list[int], num_logits: list[int]) -> bool:
-        """A few tokens more than a graphed step (a draft catching up on plainly decoded tokens, a new
-        turn's few tokens), whose logits are all in each row's last piece: run it as graphed pieces.
-        On an H200 a first eager forward of a new width costs 55-1000 ms, every later one 7-9 ms, and
-        the same 10-40 tokens as graphed pieces of 9 cost 3.5-9 ms (1B shape)."""
-        from specdec.models.cuda_graphs import GRAPH_CHUNKS, MAX_TOKENS_PER_ROW as C
-
-        if not lengths or not C < max(lengths) <= C * GRAPH_CHUNKS:
-            return False
-        return all(n <= length - C * ((length - 1) // C) for length, n in zip(lengths, num_logits))
-
-    def _chunked(self, slots: list[int], token_ids: Sequence[Sequence[int]], lengths: list[int],
-                 num_logits: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The forward as successive graphed pieces of up to MAX_TOKENS_PER_ROW tokens per row (the KV
-        cache carries each piece's keys into the next, as in chunked prefill); a row's logits come
-        from its last piece. Returns what _forward returns, rows in order."""
-        from specdec.models.cuda_graphs import MAX_TOKENS_PER_ROW as C
-
+    def _in_pieces(self, slots: list[int], token_ids: Sequence[Sequence[int]], lengths: list[int],
+                   num_logits: list[int], piece: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward as successive graphed pieces of up to `piece` tokens per row (the KV cache
+        carries each piece's keys into the next, as in chunked prefill); a row's logits come from its
+        last piece (GraphRunner.fits_in_pieces). Returns what _forward returns, rows in order."""
         self._check(slots, token_ids, lengths, num_logits)  # the whole forward, before any piece commits
         out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for start in range(0, max(lengths), C):
+        for start in range(0, max(lengths), piece):
             rows = [i for i, length in enumerate(lengths) if length > start]
-            last = [lengths[i] <= start + C for i in rows]
+            last = [lengths[i] <= start + piece for i in rows]
             counts = [num_logits[i] if done else 0 for i, done in zip(rows, last)]
-            logits, h = self._forward([slots[i] for i in rows], [token_ids[i][start:start + C] for i in rows],
-                                      [min(C, lengths[i] - start) for i in rows], counts)
+            logits, h = self._forward([slots[i] for i in rows], [token_ids[i][start:start + piece] for i in rows],
+                                      [min(piece, lengths[i] - start) for i in rows], counts)
             for i, done, row_logits, row_h in zip(rows, last, logits.split(counts), h.split(counts)):
                 if done:
                     out[i] = (row_logits, row_h)
-        return torch.cat([out[i][0] for i in range(len(lengths))]), torch.cat([out[i][1] for i in range(len(lengths))])
+        ordered = [out[i] for i in range(len(lengths))]
+        return torch.cat([row[0] for row in ordered]), torch.cat([row[1] for row in ordered])
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         eps = self.config.rms_norm_eps
