@@ -45,10 +45,12 @@ class Router:
         registry: ReplicaRegistry | None = None,
         avoid_failed_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
+        use_drafts: bool = True,
     ):
         self._connect = {TARGET: connect_target, DRAFT: connect_draft}
         self._static = {TARGET: list(dict.fromkeys(targets)), DRAFT: list(dict.fromkeys(drafts))}
         self._static_baseline = list(dict.fromkeys(baseline_targets))  # baseline targets from flags
+        self.use_drafts = use_drafts  # False: sessions draft inside the target (--draft target:ngram)
         self.registry = registry
         self.avoid_failed_s = avoid_failed_s
         self.clock = clock
@@ -153,6 +155,8 @@ class Router:
     async def choose_draft(self, pool: Pool, fingerprint: str, sticky: str = "") -> str | None:
         """A live draft whose vocabulary matches `fingerprint` (the target's): the recorded one
         when it qualifies, else the least loaded; None when no draft qualifies."""
+        if not self.use_drafts:
+            return None
         # A draft that failed lately is skipped, not retried per session: decoding plainly costs
         # less than waiting for it to time out again.
         found = [c.endpoint for c in await self.candidates(DRAFT, pool) if not self.is_avoided(c.endpoint)]

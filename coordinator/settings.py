@@ -24,6 +24,7 @@ from coordinator.canary_settings import CanarySettings, add_canary_arguments, ca
 from coordinator.requests import Limits, Pool
 
 LOCAL_NGRAM = "local:ngram"  # --draft: prompt lookup inside the coordinator (coordinator/local_draft.py)
+TARGET_NGRAM = "target:ngram"  # --draft: prompt lookup inside the target (specdec.engine.target_lookup)
 
 
 def is_local(endpoint: str) -> bool:
@@ -75,7 +76,20 @@ class CoordinatorSettings:
     ready_file: Path | None = None
     canary: CanarySettings | None = None  # None: no canary controller (--canary)
 
+    @property
+    def target_lookup(self) -> bool:
+        """--draft target:ngram: speculative sessions draft by prompt lookup inside the target's
+        decode stream; no draft replica is used (nor discovered)."""
+        return TARGET_NGRAM in self.drafts
+
+    @property
+    def draft_replicas(self) -> tuple[str, ...]:
+        return tuple(d for d in self.drafts if d != TARGET_NGRAM)
+
     def __post_init__(self) -> None:
+        if self.target_lookup and len(self.drafts) > 1:
+            raise ConfigError(f"--draft {TARGET_NGRAM} drafts inside the target and takes no other --draft, "
+                              f"got {', '.join(self.drafts)}")
         if not self.redis_url:
             raise ConfigError("--redis-url is required: sessions live in Redis (the launcher passes an embedded one)")
         if self.max_adaptive_draft_tokens < 1:
@@ -93,10 +107,11 @@ class CoordinatorSettings:
         for name in ("session_ttl_s", "owner_lease_s", "failover_timeout_s", "redis_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"--{name[:-2].replace('_', '-')} must be > 0 seconds")
-        for endpoint in (*self.targets, *(d for d in self.drafts if not is_local(d)), *self.baseline_targets):
+        for endpoint in (*self.targets, *(d for d in self.draft_replicas if not is_local(d)), *self.baseline_targets):
             host, _, port = endpoint.rpartition(":")
             if not host or not port.isdigit():
-                raise ConfigError(f"an endpoint is host:port (a draft may also be {LOCAL_NGRAM}), got {endpoint!r}")
+                raise ConfigError(f"an endpoint is host:port (a draft may also be {LOCAL_NGRAM} or {TARGET_NGRAM}), "
+                                  f"got {endpoint!r}")
 
 
 def add_arguments(parser: argparse.ArgumentParser, environ=os.environ) -> None:
@@ -108,8 +123,10 @@ def add_arguments(parser: argparse.ArgumentParser, environ=os.environ) -> None:
     g.add_argument("--target", action="append", default=[], metavar="HOST:PORT",
                    help="a target replica (repeatable); none: discover replicas in Redis")
     g.add_argument("--draft", action="append", default=[], metavar="HOST:PORT",
-                   help="a draft replica (repeatable), or local:ngram for prompt lookup inside the coordinator "
-                        "(no draft service; one round trip per speculative cycle); none: discover replicas in Redis")
+                   help="a draft replica (repeatable); local:ngram for prompt lookup inside the coordinator "
+                        "(no draft service; one round trip per speculative cycle); target:ngram for prompt lookup "
+                        "inside the target's decode stream (no draft service, no round trip per cycle; alone); "
+                        "none: discover replicas in Redis")
     g.add_argument("--baseline-target", action="append", default=[], metavar="HOST:PORT",
                    help="a target replica of the baseline pool (repeatable); none: --target replicas serve "
                         "both pools (or the registry's baseline pool)")

@@ -71,6 +71,7 @@ class TurnSettings:
     pipelining_min_full_accept: float = 0.0  # --pipelining auto's gate; a request asking for pipelining gets 0
     pipeline_branches: int = 1  # --pipeline-branches
     plain_streaming: bool = True  # --plain-decoding
+    target_lookup: bool = False  # --draft target:ngram: speculative turns draft inside the target's stream
 
 
 @dataclass(frozen=True)
@@ -197,9 +198,17 @@ class Turn:
                                      adaptive=adaptive, max_draft_tokens=self.settings.max_adaptive_tokens,
                                      pipelining=pipelining, pipeline_min_full_accept=gate,
                                      pipeline_branches=self.settings.pipeline_branches,
-                                     stream_plain=self.settings.plain_streaming)
+                                     stream_plain=self.settings.plain_streaming,
+                                     target_lookup_tokens=self._target_lookup_tokens())
         loop = SpeculativeLoop(self.target, self.draft, loop_settings, self.observer)
         return await loop.run(self.cursor, self.stop, self._emit)
+
+    def _target_lookup_tokens(self) -> int:
+        """The lookup draft length of a speculative turn under --draft target:ngram (the request's
+        num_draft_tokens or the default; the target's trimming shortens it under load), else 0."""
+        if not (self.settings.target_lookup and self.plan.turn.speculate and self.draft is None):
+            return 0
+        return self.plan.turn.num_draft_tokens or self.settings.num_draft_tokens
 
     async def _emit(self, token_ids: list[int]) -> None:
         """The loop's sink: record the block (pipelined) and queue it for the stream."""

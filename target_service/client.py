@@ -25,7 +25,7 @@ import grpc.aio
 
 from specdec import errors
 from specdec.engine.api import decode_by_steps
-from specdec.engine.cycle_cost import TARGET, report_draft_limit, report_model_time
+from specdec.engine.cycle_cost import TARGET, report_draft_limit, report_model_time, report_target_lookup
 from specdec.models.base import ModelInfo
 from specdec.rpc import target_pb2, target_pb2_grpc
 from specdec.rpc_convert import (
@@ -105,18 +105,23 @@ class TargetClient(ServiceClient):
         num_tokens: int,
         append_token_ids: Sequence[int] = (),
         stop_token_ids: Sequence[int] = (),
+        lookup_draft_tokens: int = 0,
     ) -> AsyncIterator[list[int]]:
         """decode(), streamed (DecodeStream): each step's token(s) as the target commits them, while
         it already computes the next. Every message must come within timeout_s (the stream as a
         whole has no deadline: a long plain run takes longer than any one call). Closing the
         iterator early cancels the stream; the target may have committed a step more than was
         read, so the caller truncates to where it stopped reading before anything else. A target
-        older than DecodeStream (UNIMPLEMENTED) gets one Decode call per step, from then on."""
+        older than DecodeStream (UNIMPLEMENTED) gets one Decode call per step, from then on.
+        lookup_draft_tokens > 0: the target drafts that many tokens a step by prompt lookup and
+        verifies them in the step (specdec.engine.target_lookup); each such step's outcome goes to
+        the cycle being measured (report_target_lookup)."""
         if num_tokens < 0:  # uint32 on the wire: refuse here rather than wrap around
             raise errors.InvalidArgument(f"num_tokens must be >= 0, got {num_tokens}")
         if not self._decode_stream_unimplemented:
             try:
-                async for tokens in self._streamed(session_id, position, num_tokens, append_token_ids, stop_token_ids):
+                async for tokens in self._streamed(session_id, position, num_tokens, append_token_ids, stop_token_ids,
+                                                   lookup_draft_tokens):
                     yield tokens
                 return
             except _Unimplemented:
@@ -128,10 +133,10 @@ class TargetClient(ServiceClient):
             yield tokens
 
     async def _streamed(self, session_id: str, position: int, num_tokens: int, append_token_ids: Sequence[int],
-                        stop_token_ids: Sequence[int]) -> AsyncIterator[list[int]]:
+                        stop_token_ids: Sequence[int], lookup_draft_tokens: int = 0) -> AsyncIterator[list[int]]:
         request = target_pb2.TargetServiceDecodeStreamRequest(
             session_id=session_id, position=position, append_token_ids=list(append_token_ids),
-            num_tokens=num_tokens, stop_token_ids=list(stop_token_ids),
+            num_tokens=num_tokens, stop_token_ids=list(stop_token_ids), lookup_draft_tokens=lookup_draft_tokens,
         )
         call = self._stub.DecodeStream(request, metadata=self.metadata or None)
         last = time.perf_counter()
@@ -154,8 +159,12 @@ class TargetClient(ServiceClient):
                 if timing is not None:
                     report_model_time(self.ROLE, *timing, now - last)
                 report_draft_limit(response.draft_limit if response.HasField("draft_limit") else None)
+                tokens = list(response.token_ids)
+                if response.num_drafted:
+                    report_target_lookup(VerifyOutcome(response.position - len(tokens), response.num_drafted,
+                                                       response.num_accepted, tokens[-1]))
                 last = now
-                yield list(response.token_ids)
+                yield tokens
         finally:
             call.cancel()  # a no-op once the stream ended
 

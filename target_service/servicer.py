@@ -18,7 +18,10 @@ writes the token just made, so the model never waits for the caller's round trip
 stops reading early (a stop sequence) cancels the stream and truncates; since it cannot know how far
 the stream got, every other call of the session first ends the session's stream (end_stream): its
 step still queued is dropped, and a step already on the model thread finishes before the new call's
-work, which runs on the same thread after it, so the caller's Truncate undoes it.
+work, which runs on the same thread after it, so the caller's Truncate undoes it. With
+lookup_draft_tokens, each step after the first drafts by n-gram lookup in the session's own tokens
+and verifies the draft in the same batched forward (specdec.engine.target_lookup): speculation with
+no draft service and no round trip per cycle.
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ from typing import Any, Callable, Iterable
 
 from specdec.engine.batch import DecodeWork, VerifyWork, run_target_batch
 from specdec.engine.goodput import DraftTrimmer, run_trimmed_batch
-from specdec.engine.batcher import Batcher, StepTiming, decode_step_stream, decode_steps
+from specdec.engine.batcher import Batcher, StepTiming
 from specdec.engine.target import TargetEngine
+from specdec.engine.target_lookup import TargetLookup
+from specdec.engine.target_stream import decode_step_stream, decode_steps
 from specdec.errors import InvalidArgument
 from specdec.observability.metrics import TargetMetrics
 from specdec.observability.spans import SPECDEC_NUM_ACCEPTED, SPECDEC_NUM_DRAFT_TOKENS, SPECDEC_POSITION
@@ -47,6 +52,7 @@ from specdec.server.bootstrap import ModelExecutor
 from specdec.server.service import BatchSettings
 from specdec.server.model_servicer import SPECDEC_SESSION_ID, EngineServicer, annotate, check_session_id
 from specdec.server.tokenizer_info import TokenizerFacts
+from specdec.types import DraftBlock
 
 TARGET_SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 SPECDEC_DRAFT_EPOCH = "specdec.draft_epoch"
@@ -82,6 +88,7 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
                                max_batch_size=batching.max_batch_size, batch_wait_s=batching.batch_wait_s,
                                gather=batching.gather, on_step=self._observe_batch)
         self._streams: dict[str, _Stream] = {}  # session -> its DecodeStream in progress
+        self.lookup = TargetLookup()  # DecodeStream's prompt lookup (specdec.engine.target_lookup)
         self._evictions_seen = engine.evictions
         self._trimmed_seen = 0
         self.update_gauges()
@@ -146,16 +153,18 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
         self.end_stream(session_id)
         appended = list(request.append_token_ids)
         annotate(**{SPECDEC_SESSION_ID: session_id, SPECDEC_POSITION: request.position,
-                    "specdec.num_appended_tokens": len(appended), "specdec.num_tokens": request.num_tokens})
+                    "specdec.num_appended_tokens": len(appended), "specdec.num_tokens": request.num_tokens,
+                    "specdec.lookup_draft_tokens": request.lookup_draft_tokens})
+        lookup = self._lookup(session_id, request.lookup_draft_tokens, request.stop_token_ids)
         steps = decode_step_stream(self.batcher, session_id, request.position, request.num_tokens, appended,
-                                   request.stop_token_ids)
+                                   request.stop_token_ids, lookup)
         stream = self._streams[session_id] = _Stream()
         position, generated = request.position + len(appended), 0
         try:
             stream.next_step(steps)
             while stream.step is not None:
                 try:
-                    tokens, cost = await stream.step
+                    step = await stream.step
                 except StopAsyncIteration:
                     break
                 except asyncio.CancelledError:
@@ -164,19 +173,41 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
                     raise
                 if stream.ended:  # ended after this step ran: its caller's Truncate undoes it
                     break
-                position += len(tokens)
-                generated += len(tokens)
-                stream.next_step(steps)  # the next step runs while this token is written
-                yield target_pb2.TargetServiceDecodeStreamResponse(
-                    token_ids=tokens, position=position, draft_limit=self._draft_limit(session_id),
-                    timing=server_timing_to_proto(cost.model_ns, cost.queued_ns, started_ns),
+                position += len(step.tokens)
+                generated += len(step.tokens)
+                stream.next_step(steps)  # the next step runs while this one's tokens are written
+                response = target_pb2.TargetServiceDecodeStreamResponse(
+                    token_ids=step.tokens, position=position, draft_limit=self._draft_limit(session_id),
+                    timing=server_timing_to_proto(step.cost.model_ns, step.cost.queued_ns, started_ns),
                 )
+                if step.outcome is not None:
+                    response.num_drafted, response.num_accepted = step.outcome.num_drafted, step.outcome.num_accepted
+                yield response
                 started_ns = time.perf_counter_ns()
         finally:
             stream.end()
             if self._streams.get(session_id) is stream:
                 del self._streams[session_id]
             annotate(**{"specdec.num_generated_tokens": generated})
+
+    def _lookup(self, session_id: str, max_tokens: int, stop_token_ids: Iterable[int]):
+        """DecodeStream's lookup_draft_tokens: drafts from the session's committed tokens (None: off).
+        It runs on the event loop between the session's steps, when none of them is queued or running,
+        so the tokens it reads are settled; peek touches nothing the model thread may be changing."""
+        if max_tokens > self.max_draft_tokens:
+            raise InvalidArgument(f"lookup_draft_tokens is at most {self.max_draft_tokens} (--max-draft-tokens), "
+                                  f"got {max_tokens}")
+        if not max_tokens:
+            return None
+        stops = frozenset(stop_token_ids)
+
+        def draft(room: int):
+            state = self.engine.sessions.peek(session_id)
+            if state is None:  # ended meanwhile: the step itself reports it
+                return DraftBlock.empty()
+            return self.lookup.draft(state.tokens, min(max_tokens, room), state.params, stops)
+
+        return draft
 
     def _draft_limit(self, session_id: str) -> int | None:
         """What a draft of this session would have kept in its latest step (goodput.py), if known.

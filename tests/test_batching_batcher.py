@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from specdec.engine.batch import VerifyWork, run_target_batch
-from specdec.engine.batcher import Batcher, decode_steps
+from specdec.engine.batcher import Batcher
+from specdec.engine.target_stream import decode_steps
 from specdec.engine.target import TargetEngine
 from specdec.errors import PositionMismatch, ServiceUnavailable
 from specdec.sampling.params import SamplingMode, SamplingParams

@@ -69,7 +69,7 @@ def reference(dirs):
 
 
 def coordinator(redis_url, dirs, services, draft: str | None = "same", **kwargs):
-    drafts = [] if not draft else ["local:ngram"] if draft == "local" else [services[draft].address]
+    drafts = [] if not draft else [{"local": "local:ngram", "target": "target:ngram"}.get(draft) or services[draft].address]
     certs = services["certs"]
     client = ClientSettings(tls_ca=certs.ca_cert, tls_cert=certs.client_cert, tls_key=certs.client_key, timeout_s=10.0)
     return running_coordinator(redis_url, dirs["target"], [services["target"].address], drafts,
@@ -89,7 +89,7 @@ async def read_some(call, count: int) -> list:
     return got
 
 
-@pytest.mark.parametrize("draft", ["random", "same", "ngram", "local", "baseline", "disabled"])
+@pytest.mark.parametrize("draft", ["random", "same", "ngram", "local", "target", "baseline", "disabled"])
 async def test_greedy_output_equals_plain_decoding_and_is_recorded_before_it_is_streamed(
     redis_url, dirs, services, reference, draft
 ):
@@ -121,6 +121,8 @@ async def test_greedy_output_equals_plain_decoding_and_is_recorded_before_it_is_
                 assert stats.num_draft_tokens == 4 and stats.proposer
             if draft == "same":
                 assert stats.accepted == stats.drafted > 0  # an identical draft is always accepted
+            if draft == "target":  # drafted inside the target's stream: no Propose, steps of several tokens
+                assert stats.proposer == "ngram-target" and stats.decode_steps + stats.cycles < len(want) - 1
 
 
 async def test_sampled_output_follows_the_seed_with_or_without_a_draft(redis_url, dirs, services):

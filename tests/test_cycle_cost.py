@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from specdec.engine.batcher import Batcher, StepTiming, decode_steps
+from specdec.engine.batcher import Batcher, StepTiming
+from specdec.engine.target_stream import decode_steps
 from specdec.engine.cycle_cost import DRAFT, TARGET, CycleCost, measure_cycle, report_model_time
 from specdec.generation.loop import LoopObserver, LoopSettings, SpeculativeLoop
 from specdec.generation.stats import SpeculationStats

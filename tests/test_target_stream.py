@@ -184,6 +184,27 @@ async def test_bad_input_gets_decodes_statuses_and_other_sessions_are_unaffected
         assert await read(target.decode_stream(session_id, position, 4), 4) == expected[1:5]
 
 
+async def test_a_lookup_stream_drafts_inside_the_target_and_is_plain_decoding(service, reference):
+    """lookup_draft_tokens: steps of several tokens, each message saying what it drafted and
+    accepted, the tokens those of plain decoding; too long a draft is refused, nothing moved."""
+    expected = reference(40)
+    async with session(service) as (target, session_id, position):
+        stub = target_pb2_grpc.TargetServiceStub(target.channel)
+        messages = [m async for m in stub.DecodeStream(target_pb2.TargetServiceDecodeStreamRequest(
+            session_id=session_id, position=position, num_tokens=39, lookup_draft_tokens=4))]
+        assert [t for m in messages for t in m.token_ids] == expected[1:]
+        assert messages[-1].position == position + 39
+        for m in messages:
+            assert len(m.token_ids) == (m.num_accepted + 1 if m.num_drafted else 1) and m.num_drafted <= 4
+        assert len(messages) < 39 and sum(m.num_accepted for m in messages) > 0
+        with pytest.raises(errors.InvalidArgument, match="lookup_draft_tokens is at most 64"):
+            await read(target.decode_stream(session_id, position + 39, 2, lookup_draft_tokens=65), 1)
+        with measure_cycle() as cost:  # the client reports a lookup step's outcome into the cycle
+            async for step in target.decode_stream(session_id, position + 39, 1, lookup_draft_tokens=4):
+                assert step == reference(41)[40:]
+        assert cost.target_lookup is None  # a stream's first step decodes: it has no draft
+
+
 async def _take(call, count: int):
     got = 0
     while got < count:

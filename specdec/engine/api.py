@@ -58,11 +58,13 @@ class TargetAPI(Protocol):
 
     def decode_stream(
         self, session_id: str, position: int, num_tokens: int, append_token_ids: Sequence[int] = (),
-        stop_token_ids: Sequence[int] = (),
+        stop_token_ids: Sequence[int] = (), lookup_draft_tokens: int = 0,
     ) -> AsyncIterator[list[int]]:
         """decode(), one step's tokens at a time as they are committed, ending right after a stop
         token. A caller that stops reading early truncates to where it stopped before any other
-        call of the session (the target may have committed a step more)."""
+        call of the session (the target may have committed a step more). lookup_draft_tokens > 0:
+        a target that can drafts that many tokens a step by prompt lookup and verifies them in the
+        step (several tokens a step, the same output); one that cannot decodes plainly."""
 
     async def truncate(self, session_id: str, position: int) -> int: ...
 

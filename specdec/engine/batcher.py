@@ -18,9 +18,8 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Collection, Generic, Protocol, Sequence, TypeVar
+from typing import Any, Callable, Generic, Protocol, TypeVar
 
-from specdec.engine.batch import DecodeWork
 from specdec.errors import ServiceUnavailable
 
 log = logging.getLogger(__name__)
@@ -235,50 +234,3 @@ class Batcher(Generic[W, R]):
             self.on_step(works, results, elapsed)
         except Exception:  # noqa: BLE001 - metrics must never stop the worker
             log.exception("batch step observer failed")
-
-
-async def decode_steps(
-    batcher: Batcher,
-    session_id: str,
-    position: int,
-    num_tokens: int,
-    append_token_ids: Sequence[int] = (),
-    stop_token_ids: Collection[int] = (),
-    timing: StepTiming | None = None,
-) -> list[int]:
-    """A multi-token Decode as a sequence of one-token steps, each joining whatever batch runs next
-    (decode_step_stream's steps, collected). `timing`, if given, sums what the steps cost."""
-    timing = timing if timing is not None else StepTiming()
-    generated: list[int] = []
-    async for tokens, cost in decode_step_stream(batcher, session_id, position, num_tokens, append_token_ids,
-                                                 stop_token_ids):
-        timing.add(cost)
-        generated += tokens
-    return generated
-
-
-async def decode_step_stream(
-    batcher: Batcher,
-    session_id: str,
-    position: int,
-    num_tokens: int,
-    append_token_ids: Sequence[int] = (),
-    stop_token_ids: Collection[int] = (),
-) -> AsyncIterator[tuple[list[int], StepTiming]]:
-    """Each one-token step's (tokens, cost) as soon as it ends; the next step is submitted when the
-    consumer asks for it. The first step commits append_token_ids and checks that the whole budget
-    fits the context (as engine.decode does); decoding ends after num_tokens tokens or right after
-    a stop token (which is committed, like the others). num_tokens 0: one step that only commits."""
-    stop = frozenset(stop_token_ids)
-    first = DecodeWork(session_id, position, tuple(int(t) for t in append_token_ids),
-                       num_tokens=min(num_tokens, 1), room=num_tokens)
-    tokens, cost = await batcher.submit_timed(first)
-    yield tokens, cost
-    generated = len(tokens)
-    position += len(first.append_token_ids) + generated
-    while generated < num_tokens and tokens[-1] not in stop:
-        step = DecodeWork(session_id, position, num_tokens=1, room=num_tokens - generated)
-        tokens, cost = await batcher.submit_timed(step)
-        yield tokens, cost
-        generated += len(tokens)
-        position += len(tokens)

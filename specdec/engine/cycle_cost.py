@@ -19,6 +19,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+from specdec.types import VerifyOutcome
+
 DRAFT = "draft"
 TARGET = "target"
 
@@ -37,6 +39,9 @@ class CycleCost:
     # A plain step's: drafted tokens the target would have verified for this session in that step
     # (its goodput trimming; None: not said). Not a cost, but it travels the same way.
     target_draft_limit: int | None = None
+    # A streamed step that verified a draft of the target's own prompt lookup: its outcome
+    # (specdec.engine.target_lookup), so the loop counts the step as a speculative cycle.
+    target_lookup: VerifyOutcome | None = None
 
     @property
     def model_s(self) -> float:
@@ -81,6 +86,13 @@ def report_draft_limit(num_tokens: int | None) -> None:
     cost = _current.get()
     if cost is not None:
         cost.target_draft_limit = num_tokens
+
+
+def report_target_lookup(outcome: VerifyOutcome) -> None:
+    """The cycle's streamed step verified a draft the target made by prompt lookup."""
+    cost = _current.get()
+    if cost is not None:
+        cost.target_lookup = outcome
 
 
 @contextlib.contextmanager

@@ -38,9 +38,10 @@ class LocalTarget:
 
     def decode_stream(
         self, session_id: str, position: int, num_tokens: int, append_token_ids: Sequence[int] = (),
-        stop_token_ids: Sequence[int] = (),
+        stop_token_ids: Sequence[int] = (), lookup_draft_tokens: int = 0,
     ) -> AsyncIterator[list[int]]:
-        """decode() one token at a time (an in-process engine has no step to overlap)."""
+        """decode() one token at a time (an in-process engine has no step to overlap, and no round
+        trip for prompt lookup inside it to save: an in-process n-gram draft does the same)."""
         return decode_by_steps(self.decode, session_id, position, num_tokens, append_token_ids, stop_token_ids)
 
     async def truncate(self, session_id: str, position: int) -> int:

@@ -60,6 +60,10 @@ class SessionTable(Generic[S]):
         self._sessions.move_to_end(session_id)
         return state
 
+    def peek(self, session_id: str) -> S | None:
+        """The session or None, touching nothing: safe to call off the model thread (no LRU move)."""
+        return self._sessions.get(session_id)
+
     def pop(self, session_id: str) -> S | None:
         return self._sessions.pop(session_id, None)
 

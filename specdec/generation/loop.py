@@ -20,6 +20,7 @@ from typing import Awaitable, Callable, ContextManager, Sequence
 
 from specdec.engine.api import DraftAPI, TargetAPI
 from specdec.engine.cycle_cost import CycleCost, measure_cycle
+from specdec.engine.target_lookup import LOOKUP_PROPOSER
 from specdec.errors import ServiceUnavailable, SessionNotFound
 from specdec.generation.adaptive import DraftLengthPolicy
 from specdec.generation.pipeline import PipelinedDrafting
@@ -51,6 +52,10 @@ class LoopSettings:
     # knows it will decode plainly, is one call whose next step the target starts while the last
     # token travels, instead of one round trip per token. False: one Decode call per token.
     stream_plain: bool = True
+    # Prompt lookup inside the target (specdec.engine.target_lookup): streamed plain steps draft up to
+    # this many tokens each and verify them in the step, no draft call and no round trip per cycle.
+    # For a loop without a draft (--draft target:ngram); 0: off.
+    target_lookup_tokens: int = 0
 
 
 @dataclass
@@ -130,7 +135,9 @@ class SpeculativeLoop:
         elif draft is not None and k > 0:  # a fixed length too yields to the loaded target's trimming
             self.policy = DraftLengthPolicy(k, k, adapt=False)
         self.pipeline = PipelinedDrafting(self) if self.settings.pipelining and draft is not None else None
-        self.plain_runs = PlainRuns(target)  # plain steps, streamed in runs (plain_runs.py)
+        # Plain steps, streamed in runs (plain_runs.py); with target lookup, steps that may speculate.
+        lookup = self.settings.target_lookup_tokens if self.settings.stream_plain else 0
+        self.plain_runs = PlainRuns(target, lookup)
         self._policy_plain = False  # the policy chose this cycle's plain step (not the budget)
 
     async def run(self, cursor: SessionCursor, stop: StopChecker, emit: TokenSink) -> GenerationResult:
@@ -181,6 +188,10 @@ class SpeculativeLoop:
         """At a cycle's end: account its cost; the policy learns from model times and the overhead
         apart (services that report no model time: from the calls' wall times)."""
         stats.record_cost(cost)
+        if cost.target_lookup is not None:  # a streamed step that verified the target's own lookup draft
+            stats.decode_steps -= 1  # counted as a plain step by _decode; it was a speculative cycle
+            stats.record(cost.target_lookup)
+            self.observer.verified(cost.target_lookup, LOOKUP_PROPOSER)
         self.observer.cycle_cost(cost)
         calls, self._cycle_calls = self._cycle_calls, None
         if self.policy is None or calls is None:

@@ -15,8 +15,11 @@ from specdec.engine.api import TargetAPI
 
 
 class PlainRuns:
-    def __init__(self, target: TargetAPI):
+    def __init__(self, target: TargetAPI, lookup_draft_tokens: int = 0):
         self.target = target
+        # > 0: the target drafts by prompt lookup inside each step (TargetAPI.decode_stream), so a
+        # step of the run may commit several tokens.
+        self.lookup_draft_tokens = lookup_draft_tokens
         self._stream: AsyncIterator[list[int]] | None = None
         self._left = 0  # tokens the open run will still produce
 
@@ -25,7 +28,9 @@ class PlainRuns:
         None: the target ended the open run early (another call of the session came first); close
         it, truncate to `position`, and ask again."""
         if self._stream is None:
-            self._stream = self.target.decode_stream(session_id, position, run, stop_token_ids=sorted(stop_token_ids))
+            extra = {"lookup_draft_tokens": self.lookup_draft_tokens} if self.lookup_draft_tokens else {}
+            self._stream = self.target.decode_stream(session_id, position, run, stop_token_ids=sorted(stop_token_ids),
+                                                     **extra)
             self._left = run
         tokens = await anext(self._stream, None)
         if tokens is None:
