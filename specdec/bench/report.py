@@ -34,7 +34,7 @@ from specdec.generation.equality import compare_outputs
 def timed_proposer(name: str) -> str | None:
     """Which engine timing (timing.py) gives a method's draft step: replay runs the draft model's passes."""
     name = without_pipelining(base_name(name))
-    if name in ("specdec-ngram", "specdec-ngram-local"):
+    if name in ("specdec-ngram", "specdec-ngram-local", "specdec-ngram-target"):
         return "ngram"
     return "draft-model" if name == "specdec-draft" or name.startswith(REPLAY_PREFIX) else None
 

@@ -11,7 +11,7 @@ import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specdec.bench.methods import LOCAL_PROPOSER
+from specdec.bench.methods import IN_PROCESS_PROPOSERS
 from specdec.bench.netdelay import LoopbackNetwork
 from specdec.processes import ServiceProcess, stop_all
 
@@ -50,8 +50,8 @@ def draft_specs(options: ServiceOptions, proposers: list[str]) -> dict[str, tupl
     model += cuda_graphs_args(options)
     common = ["--plaintext", "--num-draft-tokens", str(options.num_draft_tokens)]
     for name in proposers:
-        if name == LOCAL_PROPOSER:
-            continue  # inside its coordinator (add_coordinators)
+        if name in IN_PROCESS_PROPOSERS:
+            continue  # inside its coordinator or the target (add_coordinators)
         if name == "ngram":
             specs[name] = ("draft_service", common + ["--proposer", "ngram", "--tokenizer", str(options.target_dir)])
         elif name == "draft-model":
@@ -114,8 +114,9 @@ class Deployment:
         the services through `network` (a delay network reuses the running services)."""
         target = network.route("target", self.target.address)
         plans = {name: ["--draft", network.route("draft", proc.address)] for name, proc in self.drafts.items()}
-        if LOCAL_PROPOSER in self.proposers:
-            plans[LOCAL_PROPOSER] = ["--draft", "local:ngram"]
+        for name, draft in IN_PROCESS_PROPOSERS.items():
+            if name in self.proposers:
+                plans[name] = ["--draft", draft]
         for variant in self.options.branch_coordinators:
             proposer, _, branches = variant.partition("@branches")
             if proposer in plans:
