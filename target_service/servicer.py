@@ -35,7 +35,7 @@ from specdec.engine.batch import DecodeWork, VerifyWork, run_target_batch
 from specdec.engine.goodput import DraftTrimmer, run_trimmed_batch
 from specdec.engine.batcher import Batcher, StepTiming
 from specdec.engine.target import TargetEngine
-from specdec.engine.target_lookup import TargetLookup
+from specdec.engine.target_lookup import LookupIndex
 from specdec.engine.target_stream import decode_step_stream, decode_steps
 from specdec.errors import InvalidArgument
 from specdec.observability.metrics import TargetMetrics
@@ -88,7 +88,6 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
                                max_batch_size=batching.max_batch_size, batch_wait_s=batching.batch_wait_s,
                                gather=batching.gather, on_step=self._observe_batch)
         self._streams: dict[str, _Stream] = {}  # session -> its DecodeStream in progress
-        self.lookup = TargetLookup()  # DecodeStream's prompt lookup (specdec.engine.target_lookup)
         self._evictions_seen = engine.evictions
         self._trimmed_seen = 0
         self.update_gauges()
@@ -199,13 +198,14 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
                                   f"got {max_tokens}")
         if not max_tokens:
             return None
-        stops = frozenset(stop_token_ids)
+        stops, index = frozenset(stop_token_ids), LookupIndex()
 
         def draft(room: int):
             state = self.engine.sessions.peek(session_id)
             if state is None:  # ended meanwhile: the step itself reports it
                 return DraftBlock.empty()
-            return self.lookup.draft(state.tokens, min(max_tokens, room), state.params, stops)
+            index.sync(state.tokens)
+            return index.draft(min(max_tokens, room), stops)
 
         return draft
 

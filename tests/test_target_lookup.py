@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
+import random
 
 import pytest
 import torch
@@ -19,7 +20,8 @@ from specdec.engine.batch import run_target_batch
 from specdec.engine.batcher import Batcher
 from specdec.engine.goodput import DraftTrimmer, run_trimmed_batch
 from specdec.engine.target import TargetEngine
-from specdec.engine.target_lookup import TargetLookup
+from specdec.engine.target_lookup import LookupIndex
+from specdec.proposers.ngram import NgramProposer
 from specdec.engine.target_stream import decode_step_stream
 from specdec.models.loader import load_model
 from specdec.sampling.params import SamplingMode, SamplingParams
@@ -36,11 +38,12 @@ PROMPTS = [[7, 8, 9, 10, 7, 8, 9, 10, 7, 8], [3, 4, 3, 4, 3, 4, 3], [50, 60, 70,
 
 
 def lookup_for(engine: TargetEngine, session_id: str, max_tokens: int, stops=frozenset()):
-    lookup = TargetLookup()
+    """What the target service passes decode_step_stream for lookup_draft_tokens = max_tokens."""
+    index = LookupIndex()
 
     def draft(room: int):
-        state = engine.sessions.peek(session_id)
-        return lookup.draft(state.tokens, min(max_tokens, room), state.params, stops)
+        index.sync(engine.sessions.peek(session_id).tokens)
+        return index.draft(min(max_tokens, room), stops)
 
     return draft
 
@@ -72,15 +75,33 @@ def served(tiny_dir):
     executor.shutdown(wait=False)
 
 
+def test_the_lookup_index_drafts_what_the_ngram_proposer_drafts():
+    """Grown token by token (as a stream commits) and at once, on sequences with many repeats, short
+    lookback windows included: every draft equals NgramProposer.propose's."""
+    rng = random.Random(3)
+    for trial in range(40):
+        proposer = NgramProposer(max_ngram=rng.choice([1, 2, 3, 4]), max_lookback=rng.choice([6, 16, 4096]))
+        tokens = [rng.randrange(rng.choice([3, 6, 20])) for _ in range(rng.randrange(1, 80))]
+        grown, whole = LookupIndex(proposer), LookupIndex(proposer)
+        whole.sync(tokens)
+        for length in range(1, len(tokens) + 1):
+            grown.sync(tokens[:length])
+            k = rng.randrange(0, 6)
+            expected = proposer.propose(None, tokens[:length], k, GREEDY).token_ids.tolist()
+            assert grown.draft(k).token_ids.tolist() == expected, (trial, length)
+        assert whole.draft(4).token_ids.tolist() == grown.draft(4).token_ids.tolist()
+
+
 def test_a_lookup_draft_stops_before_a_stop_token_and_at_its_room():
-    lookup = TargetLookup()
-    tokens = [5, 6, 7, 8, 5, 6]
-    assert lookup.draft(tokens, 4, GREEDY).token_ids.tolist() == [7, 8, 5, 6]
-    assert lookup.draft(tokens, 2, GREEDY).token_ids.tolist() == [7, 8]
-    assert lookup.draft(tokens, 4, GREEDY, stop_token_ids={8}).token_ids.tolist() == [7]
-    assert lookup.draft(tokens, 4, GREEDY, stop_token_ids={7}).num_tokens == 0
-    assert lookup.draft(tokens, 0, GREEDY).num_tokens == 0
-    assert lookup.draft([1, 2, 3], 4, GREEDY).num_tokens == 0  # nothing repeats: no draft
+    index = LookupIndex()
+    index.sync([5, 6, 7, 8, 5, 6])
+    assert index.draft(4).token_ids.tolist() == [7, 8, 5, 6]
+    assert index.draft(2).token_ids.tolist() == [7, 8]
+    assert index.draft(4, stop_token_ids={8}).token_ids.tolist() == [7]
+    assert index.draft(4, stop_token_ids={7}).num_tokens == 0
+    assert index.draft(0).num_tokens == 0
+    index.sync([1, 2, 3])  # not a continuation of what it indexed: indexed afresh
+    assert index.draft(4).num_tokens == 0  # nothing repeats: no draft
 
 
 @pytest.mark.parametrize("params", [GREEDY, GUMBEL], ids=["greedy", "gumbel"])
