@@ -97,7 +97,7 @@ class SessionTarget:
 
     async def decode_stream(
         self, session_id: str, position: int, num_tokens: int, append_token_ids: Sequence[int] = (),
-        stop_token_ids: Sequence[int] = (), lookup_draft_tokens: int = 0,
+        stop_token_ids: Sequence[int] = (), inner_draft=None,
     ) -> AsyncIterator[list[int]]:
         """The replica's DecodeStream; after a recoverable error it recovers as every call does and
         resumes after the last token read (the loop has committed it by then), for up to
@@ -110,7 +110,7 @@ class SessionTarget:
                 if error is not None:
                     delay = await self._recover(error, lambda e: self._realign(e, position), delay)
                 stream = self.client.decode_stream(session_id, position, left, appended, stop_token_ids,
-                                                   lookup_draft_tokens)
+                                                   inner_draft)
                 async with contextlib.aclosing(stream):  # closing this closes the replica's stream now
                     async for tokens in stream:
                         position += len(appended) + len(tokens)

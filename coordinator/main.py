@@ -78,7 +78,7 @@ def build(settings: CoordinatorSettings, *, tracer_provider=None, registry=None,
         lambda e: connect_target(e, settings.target_client, tracer_provider=tracer_provider),
         draft_client,
         targets=settings.targets, drafts=settings.draft_replicas, baseline_targets=settings.baseline_targets,
-        registry=discovery, use_drafts=not settings.target_lookup,
+        registry=discovery, use_drafts=not settings.inner_draft,
     )
     prompts = prompts or PromptEncoder.load(settings.tokenizer)
     provider = tracer_provider or trace.get_tracer_provider()
@@ -96,7 +96,7 @@ def build(settings: CoordinatorSettings, *, tracer_provider=None, registry=None,
                           min(settings.max_adaptive_draft_tokens, settings.limits.max_draft_tokens),
                           settings.pipelining,
                           settings.pipelining_min_full_accept, settings.pipeline_branches,
-                          plain_streaming=settings.plain_streaming, target_lookup=settings.target_lookup),
+                          plain_streaming=settings.plain_streaming, inner_draft=settings.inner_draft),
     )
     sessions = SessionManager(store, router, prompts, telemetry, settings.limits, config, status_name)
     canary = None

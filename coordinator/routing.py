@@ -50,7 +50,7 @@ class Router:
         self._connect = {TARGET: connect_target, DRAFT: connect_draft}
         self._static = {TARGET: list(dict.fromkeys(targets)), DRAFT: list(dict.fromkeys(drafts))}
         self._static_baseline = list(dict.fromkeys(baseline_targets))  # baseline targets from flags
-        self.use_drafts = use_drafts  # False: sessions draft inside the target (--draft target:ngram)
+        self.use_drafts = use_drafts  # False: sessions draft inside the target (--draft target:...)
         self.registry = registry
         self.avoid_failed_s = avoid_failed_s
         self.clock = clock

@@ -24,7 +24,9 @@ from coordinator.canary_settings import CanarySettings, add_canary_arguments, ca
 from coordinator.requests import Limits, Pool
 
 LOCAL_NGRAM = "local:ngram"  # --draft: prompt lookup inside the coordinator (coordinator/local_draft.py)
-TARGET_NGRAM = "target:ngram"  # --draft: prompt lookup inside the target (specdec.engine.target_lookup)
+# --draft: drafts made inside the target's decode stream (specdec.engine.inner_draft), by prompt lookup
+# or by the draft model the target hosts (target service --inner-draft)
+INNER_DRAFTS = {"target:ngram": "ngram", "target:model": "model"}
 
 
 def is_local(endpoint: str) -> bool:
@@ -77,19 +79,19 @@ class CoordinatorSettings:
     canary: CanarySettings | None = None  # None: no canary controller (--canary)
 
     @property
-    def target_lookup(self) -> bool:
-        """--draft target:ngram: speculative sessions draft by prompt lookup inside the target's
-        decode stream; no draft replica is used (nor discovered)."""
-        return TARGET_NGRAM in self.drafts
+    def inner_draft(self) -> str:
+        """--draft target:ngram / target:model: speculative sessions draft inside the target's decode
+        stream ("ngram" or "model"; no draft replica is used, nor discovered); "" otherwise."""
+        return next((INNER_DRAFTS[d] for d in self.drafts if d in INNER_DRAFTS), "")
 
     @property
     def draft_replicas(self) -> tuple[str, ...]:
-        return tuple(d for d in self.drafts if d != TARGET_NGRAM)
+        return tuple(d for d in self.drafts if d not in INNER_DRAFTS)
 
     def __post_init__(self) -> None:
-        if self.target_lookup and len(self.drafts) > 1:
-            raise ConfigError(f"--draft {TARGET_NGRAM} drafts inside the target and takes no other --draft, "
-                              f"got {', '.join(self.drafts)}")
+        if self.inner_draft and len(self.drafts) > 1:
+            raise ConfigError(f"--draft {' / '.join(INNER_DRAFTS)} drafts inside the target and takes no other "
+                              f"--draft, got {', '.join(self.drafts)}")
         if not self.redis_url:
             raise ConfigError("--redis-url is required: sessions live in Redis (the launcher passes an embedded one)")
         if self.max_adaptive_draft_tokens < 1:
@@ -110,8 +112,8 @@ class CoordinatorSettings:
         for endpoint in (*self.targets, *(d for d in self.draft_replicas if not is_local(d)), *self.baseline_targets):
             host, _, port = endpoint.rpartition(":")
             if not host or not port.isdigit():
-                raise ConfigError(f"an endpoint is host:port (a draft may also be {LOCAL_NGRAM} or {TARGET_NGRAM}), "
-                                  f"got {endpoint!r}")
+                raise ConfigError(f"an endpoint is host:port (a draft may also be {LOCAL_NGRAM}, "
+                                  f"{' or '.join(INNER_DRAFTS)}), got {endpoint!r}")
 
 
 def add_arguments(parser: argparse.ArgumentParser, environ=os.environ) -> None:
@@ -125,7 +127,8 @@ def add_arguments(parser: argparse.ArgumentParser, environ=os.environ) -> None:
     g.add_argument("--draft", action="append", default=[], metavar="HOST:PORT",
                    help="a draft replica (repeatable); local:ngram for prompt lookup inside the coordinator "
                         "(no draft service; one round trip per speculative cycle); target:ngram for prompt lookup "
-                        "inside the target's decode stream (no draft service, no round trip per cycle; alone); "
+                        "inside the target's decode stream, target:model for the draft model the target hosts "
+                        "(its --inner-draft) (no draft service, no round trip per cycle; alone); "
                         "none: discover replicas in Redis")
     g.add_argument("--baseline-target", action="append", default=[], metavar="HOST:PORT",
                    help="a target replica of the baseline pool (repeatable); none: --target replicas serve "

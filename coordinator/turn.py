@@ -16,6 +16,7 @@ import enum
 import logging
 from dataclasses import dataclass, replace
 
+from specdec.engine.api import InnerDraft
 from specdec.errors import SessionNotFound, SpecDecError
 from specdec.generation.loop import GenerationResult, LoopSettings, SessionCursor, SpeculativeLoop
 from specdec.generation.stats import SpeculationStats
@@ -71,7 +72,7 @@ class TurnSettings:
     pipelining_min_full_accept: float = 0.0  # --pipelining auto's gate; a request asking for pipelining gets 0
     pipeline_branches: int = 1  # --pipeline-branches
     plain_streaming: bool = True  # --plain-decoding
-    target_lookup: bool = False  # --draft target:ngram: speculative turns draft inside the target's stream
+    inner_draft: str = ""  # --draft target:ngram / target:model: speculative turns draft inside the target
 
 
 @dataclass(frozen=True)
@@ -199,16 +200,16 @@ class Turn:
                                      pipelining=pipelining, pipeline_min_full_accept=gate,
                                      pipeline_branches=self.settings.pipeline_branches,
                                      stream_plain=self.settings.plain_streaming,
-                                     target_lookup_tokens=self._target_lookup_tokens())
+                                     inner_draft=self._inner_draft())
         loop = SpeculativeLoop(self.target, self.draft, loop_settings, self.observer)
         return await loop.run(self.cursor, self.stop, self._emit)
 
-    def _target_lookup_tokens(self) -> int:
-        """The lookup draft length of a speculative turn under --draft target:ngram (the request's
-        num_draft_tokens or the default; the target's trimming shortens it under load), else 0."""
-        if not (self.settings.target_lookup and self.plan.turn.speculate and self.draft is None):
-            return 0
-        return self.plan.turn.num_draft_tokens or self.settings.num_draft_tokens
+    def _inner_draft(self) -> InnerDraft | None:
+        """A speculative turn's drafts inside the target under --draft target:ngram / target:model:
+        the request's num_draft_tokens or the default (the target's trimming shortens it under load)."""
+        if not (self.settings.inner_draft and self.plan.turn.speculate and self.draft is None):
+            return None
+        return InnerDraft(self.settings.inner_draft, self.plan.turn.num_draft_tokens or self.settings.num_draft_tokens)
 
     async def _emit(self, token_ids: list[int]) -> None:
         """The loop's sink: record the block (pipelined) and queue it for the stream."""

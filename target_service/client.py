@@ -24,8 +24,8 @@ import grpc
 import grpc.aio
 
 from specdec import errors
-from specdec.engine.api import decode_by_steps
-from specdec.engine.cycle_cost import TARGET, report_draft_limit, report_model_time, report_target_lookup
+from specdec.engine.api import InnerDraft, decode_by_steps
+from specdec.engine.cycle_cost import TARGET, report_draft_limit, report_model_time, report_inner_draft
 from specdec.models.base import ModelInfo
 from specdec.rpc import target_pb2, target_pb2_grpc
 from specdec.rpc_convert import (
@@ -105,7 +105,7 @@ class TargetClient(ServiceClient):
         num_tokens: int,
         append_token_ids: Sequence[int] = (),
         stop_token_ids: Sequence[int] = (),
-        lookup_draft_tokens: int = 0,
+        inner_draft: InnerDraft | None = None,
     ) -> AsyncIterator[list[int]]:
         """decode(), streamed (DecodeStream): each step's token(s) as the target commits them, while
         it already computes the next. Every message must come within timeout_s (the stream as a
@@ -113,15 +113,15 @@ class TargetClient(ServiceClient):
         iterator early cancels the stream; the target may have committed a step more than was
         read, so the caller truncates to where it stopped reading before anything else. A target
         older than DecodeStream (UNIMPLEMENTED) gets one Decode call per step, from then on.
-        lookup_draft_tokens > 0: the target drafts that many tokens a step by prompt lookup and
-        verifies them in the step (specdec.engine.target_lookup); each such step's outcome goes to
-        the cycle being measured (report_target_lookup)."""
+        inner_draft: the target drafts each step itself (prompt lookup or its hosted draft model)
+        and verifies the draft in the step (specdec.engine.inner_draft); each such step's outcome
+        goes to the cycle being measured (report_inner_draft)."""
         if num_tokens < 0:  # uint32 on the wire: refuse here rather than wrap around
             raise errors.InvalidArgument(f"num_tokens must be >= 0, got {num_tokens}")
         if not self._decode_stream_unimplemented:
             try:
                 async for tokens in self._streamed(session_id, position, num_tokens, append_token_ids, stop_token_ids,
-                                                   lookup_draft_tokens):
+                                                   inner_draft):
                     yield tokens
                 return
             except _Unimplemented:
@@ -133,11 +133,16 @@ class TargetClient(ServiceClient):
             yield tokens
 
     async def _streamed(self, session_id: str, position: int, num_tokens: int, append_token_ids: Sequence[int],
-                        stop_token_ids: Sequence[int], lookup_draft_tokens: int = 0) -> AsyncIterator[list[int]]:
+                        stop_token_ids: Sequence[int], inner_draft: InnerDraft | None = None) -> AsyncIterator[list[int]]:
         request = target_pb2.TargetServiceDecodeStreamRequest(
             session_id=session_id, position=position, append_token_ids=list(append_token_ids),
-            num_tokens=num_tokens, stop_token_ids=list(stop_token_ids), lookup_draft_tokens=lookup_draft_tokens,
+            num_tokens=num_tokens, stop_token_ids=list(stop_token_ids),
         )
+        if inner_draft is not None:
+            field = {"ngram": "lookup_draft_tokens", "model": "model_draft_tokens"}.get(inner_draft.kind)
+            if field is None:
+                raise errors.InvalidArgument(f"an inner draft is 'ngram' or 'model', got {inner_draft.kind!r}")
+            setattr(request, field, inner_draft.num_tokens)
         call = self._stub.DecodeStream(request, metadata=self.metadata or None)
         last = time.perf_counter()
         try:
@@ -161,7 +166,7 @@ class TargetClient(ServiceClient):
                 report_draft_limit(response.draft_limit if response.HasField("draft_limit") else None)
                 tokens = list(response.token_ids)
                 if response.num_drafted:
-                    report_target_lookup(VerifyOutcome(response.position - len(tokens), response.num_drafted,
+                    report_inner_draft(VerifyOutcome(response.position - len(tokens), response.num_drafted,
                                                        response.num_accepted, tokens[-1]))
                 last = now
                 yield tokens

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from specdec.server import service
 from specdec.server.settings import ConfigError, ServerSettings, add_server_arguments, server_settings_from_args
+from specdec.models.reduced_head import parse_head_vocab
 from specdec.server.tokenizer_info import tokenizer_facts
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,10 @@ class TargetServiceSettings:
     batching: service.BatchSettings = service.BatchSettings()
     trim_drafts: bool = True  # --draft-trimming goodput
     trim_margin: float = 0.0  # --trim-margin: the goodput gain drafts must bring (DraftTrimmer.margin)
+    # A draft model hosted here for DecodeStream's model_draft_tokens (specdec.engine.inner_draft):
+    # registry name or HF directory; None: none. Loaded like the target (backend, device, dtype, slots).
+    inner_draft: str | None = None
+    inner_draft_head_vocab: int | str | None = "auto"  # as the draft service's --head-vocab
 
     def __post_init__(self) -> None:
         service.check_model_settings(self.num_slots, self.max_context, self.session_ttl_s)
@@ -76,6 +81,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="goodput: verify only the drafted tokens that raise the batch's expected tokens per "
                         "second (measured step cost and per-session acceptance), so that under load "
                         "speculation never falls below plain decoding; off: verify every drafted token")
+    g.add_argument("--inner-draft", default=env("SPECDEC_INNER_DRAFT") or None, metavar="MODEL",
+                   help="also host this draft model (registry name or HF directory) on the target's device and "
+                        "model thread, for coordinators started with --draft target:model: each streamed step "
+                        "drafts and verifies here, with no draft service and no round trip per cycle")
+    g.add_argument("--inner-draft-head-vocab", type=parse_head_vocab, default="auto",
+                   help="the hosted draft's output head, as the draft service's --head-vocab")
     g.add_argument("--trim-margin", type=float, default=0.0,
                    help="goodput trimming: let drafts through only if they raise the step's expected tokens "
                         "per second by this share over plain decoding (e.g. 0.2 on CPUs, where a drafted "
@@ -88,12 +99,13 @@ def settings_from_args(args: argparse.Namespace) -> TargetServiceSettings:
         server=server_settings_from_args(args, service=SERVICE), model=args.model,
         max_draft_tokens=args.max_draft_tokens, test_fault=args.test_fault, test_delay_ms=args.test_delay_ms,
         batching=service.batch_settings_from_args(args), trim_drafts=args.draft_trimming == "goodput",
-        trim_margin=args.trim_margin,
+        trim_margin=args.trim_margin, inner_draft=args.inner_draft, inner_draft_head_vocab=args.inner_draft_head_vocab,
         **service.model_settings_from_args(args),
     )
 
 
-async def serve_target(settings: TargetServiceSettings, engine, tokenizer, tracer_provider=None) -> None:
+async def serve_target(settings: TargetServiceSettings, engine, tokenizer, tracer_provider=None,
+                       inner_draft=None) -> None:
     """Serve `engine` until SIGTERM / SIGINT; returns after the graceful shutdown."""
     from specdec.observability.metrics import TargetMetrics
     from specdec.rpc import target_pb2_grpc
@@ -101,7 +113,7 @@ async def serve_target(settings: TargetServiceSettings, engine, tokenizer, trace
 
     def build_servicer(executor, registry) -> TargetServicer:
         return TargetServicer(engine, executor, TargetMetrics(registry), tokenizer, settings.max_draft_tokens,
-                              settings.batching, settings.trim_drafts, settings.trim_margin)
+                              settings.batching, settings.trim_drafts, settings.trim_margin, inner_draft)
 
     await service.serve_model_service(
         settings.server, build_servicer, target_pb2_grpc.add_TargetServiceServicer_to_server, TARGET_SERVICE_NAME,
@@ -128,7 +140,28 @@ def run(settings: TargetServiceSettings) -> int:
         model.forward = service.test_delayed(model.forward, settings.test_delay_ms / 1000, "target forward")
     engine = TargetEngine(model, idle_ttl_s=settings.session_ttl_s, fault_injection=settings.test_fault)
     tokenizer = tokenizer_facts(model_dir)
-    return service.run_traced(settings.server, lambda provider: serve_target(settings, engine, tokenizer, provider))
+    inner_draft = load_inner_draft(settings, tokenizer) if settings.inner_draft else None
+    return service.run_traced(settings.server,
+                              lambda provider: serve_target(settings, engine, tokenizer, provider, inner_draft))
+
+
+def load_inner_draft(settings: TargetServiceSettings, tokenizer):
+    """The hosted draft's engine: its vocabulary must be the target's (its tokens are verified as ids)."""
+    from specdec.engine.draft import DraftEngine
+    from specdec.models.loader import load_model
+    from specdec.models.registry import resolve_model
+    from specdec.proposers.draft_model import DraftModelProposer
+
+    draft_dir = resolve_model(settings.inner_draft)
+    if tokenizer_facts(draft_dir).vocab_fingerprint != tokenizer.vocab_fingerprint:
+        raise ConfigError(f"--inner-draft {settings.inner_draft}: its vocabulary differs from the target's")
+    log.info("hosting draft %s from %s for model_draft_tokens", settings.inner_draft, draft_dir)
+    model = load_model(draft_dir, backend=settings.backend, device=settings.device, dtype=settings.dtype,
+                       num_slots=settings.num_slots, max_context=settings.max_context, name=settings.inner_draft,
+                       head_vocab=settings.inner_draft_head_vocab, cuda_graphs=settings.cuda_graphs,
+                       graph_warmup_context=settings.graph_warmup_context)
+    return DraftEngine(DraftModelProposer(model), idle_ttl_s=settings.session_ttl_s,
+                       max_draft_tokens=settings.max_draft_tokens)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -19,14 +19,16 @@ stops reading early (a stop sequence) cancels the stream and truncates; since it
 the stream got, every other call of the session first ends the session's stream (end_stream): its
 step still queued is dropped, and a step already on the model thread finishes before the new call's
 work, which runs on the same thread after it, so the caller's Truncate undoes it. With
-lookup_draft_tokens, each step after the first drafts by n-gram lookup in the session's own tokens
-and verifies the draft in the same batched forward (specdec.engine.target_lookup): speculation with
-no draft service and no round trip per cycle.
+lookup_draft_tokens or model_draft_tokens, each step after the first drafts inside the target (n-gram
+lookup in the session's own tokens, or the draft model the service hosts, --inner-draft) and
+verifies the draft in the same batched forward (specdec.engine.inner_draft): speculation with no
+draft service and no round trip per cycle.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import functools
 import time
 from typing import Any, Callable, Iterable
@@ -35,7 +37,9 @@ from specdec.engine.batch import DecodeWork, VerifyWork, run_target_batch
 from specdec.engine.goodput import DraftTrimmer, run_trimmed_batch
 from specdec.engine.batcher import Batcher, StepTiming
 from specdec.engine.target import TargetEngine
-from specdec.engine.target_lookup import LookupIndex
+from specdec.engine.draft import DraftEngine
+from specdec.engine.draft_batch import run_propose_batch
+from specdec.engine.inner_draft import Drafter, LookupDrafter, ModelDrafter
 from specdec.engine.target_stream import decode_step_stream, decode_steps
 from specdec.errors import InvalidArgument
 from specdec.observability.metrics import TargetMetrics
@@ -52,7 +56,8 @@ from specdec.server.bootstrap import ModelExecutor
 from specdec.server.service import BatchSettings
 from specdec.server.model_servicer import SPECDEC_SESSION_ID, EngineServicer, annotate, check_session_id
 from specdec.server.tokenizer_info import TokenizerFacts
-from specdec.types import DraftBlock
+
+log = logging.getLogger(__name__)
 
 TARGET_SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 SPECDEC_DRAFT_EPOCH = "specdec.draft_epoch"
@@ -72,9 +77,16 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
         batching: BatchSettings = BatchSettings(),
         trim_drafts: bool = False,
         trim_margin: float = 0.0,
+        inner_draft: DraftEngine | None = None,
     ):
         self.engine = engine
         self.executor = executor
+        # The draft model this service hosts (--inner-draft) for DecodeStream's model_draft_tokens: its
+        # Propose work of concurrent streams is batched, on the same model thread as the target's steps.
+        self.inner_draft = inner_draft
+        self.draft_batcher = None if inner_draft is None else Batcher(
+            executor, functools.partial(run_propose_batch, inner_draft), max_batch_size=batching.max_batch_size)
+        self._warned_no_inner_draft = False
         self.metrics = metrics
         self.tokenizer = tokenizer
         self.max_draft_tokens = max_draft_tokens
@@ -154,9 +166,9 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
         annotate(**{SPECDEC_SESSION_ID: session_id, SPECDEC_POSITION: request.position,
                     "specdec.num_appended_tokens": len(appended), "specdec.num_tokens": request.num_tokens,
                     "specdec.lookup_draft_tokens": request.lookup_draft_tokens})
-        lookup = self._lookup(session_id, request.lookup_draft_tokens, request.stop_token_ids)
+        drafter = self._drafter(session_id, request)
         steps = decode_step_stream(self.batcher, session_id, request.position, request.num_tokens, appended,
-                                   request.stop_token_ids, lookup)
+                                   request.stop_token_ids, drafter)
         stream = self._streams[session_id] = _Stream()
         position, generated = request.position + len(appended), 0
         try:
@@ -189,25 +201,35 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
                 del self._streams[session_id]
             annotate(**{"specdec.num_generated_tokens": generated})
 
-    def _lookup(self, session_id: str, max_tokens: int, stop_token_ids: Iterable[int]):
-        """DecodeStream's lookup_draft_tokens: drafts from the session's committed tokens (None: off).
-        It runs on the event loop between the session's steps, when none of them is queued or running,
-        so the tokens it reads are settled; peek touches nothing the model thread may be changing."""
-        if max_tokens > self.max_draft_tokens:
-            raise InvalidArgument(f"lookup_draft_tokens is at most {self.max_draft_tokens} (--max-draft-tokens), "
-                                  f"got {max_tokens}")
-        if not max_tokens:
+    def _drafter(self, session_id: str, request) -> Drafter | None:
+        """DecodeStream's drafts made here (specdec.engine.inner_draft), or None for plain decoding.
+        Drafters read the session's committed tokens on the event loop between its steps, when none
+        of them is queued or running, so what they read is settled; peek touches nothing the model
+        thread may be changing."""
+        lookup, model = request.lookup_draft_tokens, request.model_draft_tokens
+        if lookup and model:
+            raise InvalidArgument("a DecodeStream drafts by lookup_draft_tokens or model_draft_tokens, not both")
+        if max(lookup, model) > self.max_draft_tokens:
+            raise InvalidArgument(f"lookup_draft_tokens and model_draft_tokens are at most {self.max_draft_tokens} "
+                                  f"(--max-draft-tokens), got {max(lookup, model)}")
+        state = self.engine.sessions.peek(session_id)
+        if not (lookup or model) or state is None:  # no session: the first step says so
             return None
-        stops, index = frozenset(stop_token_ids), LookupIndex()
 
-        def draft(room: int):
-            state = self.engine.sessions.peek(session_id)
-            if state is None:  # ended meanwhile: the step itself reports it
-                return DraftBlock.empty()
-            index.sync(state.tokens)
-            return index.draft(min(max_tokens, room), stops)
+        def committed():
+            current = self.engine.sessions.peek(session_id)
+            return None if current is None else current.tokens
 
-        return draft
+        if lookup:
+            return LookupDrafter(committed, lookup, request.stop_token_ids)
+        if self.inner_draft is None:  # a misconfiguration costs speed, never the request
+            if not self._warned_no_inner_draft:
+                self._warned_no_inner_draft = True
+                log.warning("DecodeStream asked for model_draft_tokens but this target hosts no draft model "
+                            "(--inner-draft): decoding plainly")
+            return None
+        return ModelDrafter(self.inner_draft, self.draft_batcher, self.executor, session_id, state.params,
+                            committed, model, request.stop_token_ids)
 
     def _draft_limit(self, session_id: str) -> int | None:
         """What a draft of this session would have kept in its latest step (goodput.py), if known.
@@ -243,12 +265,19 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
             self._evictions_seen = evictions
 
     def forget_sessions(self, session_ids: Iterable[str]) -> None:
-        for session_id in session_ids:
+        ended = list(session_ids)
+        for session_id in ended:
             self.end_stream(session_id)
             self.batcher.forget(session_id)
+            if self.draft_batcher is not None:
+                self.draft_batcher.forget(session_id)
+        if self.inner_draft is not None and ended:  # the hosted draft's sessions end with the target's
+            asyncio.ensure_future(self.executor.run(_end_all, self.inner_draft, ended))
 
     async def aclose(self) -> None:
         await self.batcher.aclose()
+        if self.draft_batcher is not None:
+            await self.draft_batcher.aclose()
 
     # ---- internals ---------------------------------------------------------------------------
 
@@ -278,6 +307,11 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
             self.metrics.trimmed_draft_tokens.inc(self.trimmer.trimmed_tokens - self._trimmed_seen)
             self._trimmed_seen = self.trimmer.trimmed_tokens
         self.update_gauges()
+
+
+def _end_all(engine: DraftEngine, session_ids: list[str]) -> None:
+    for session_id in session_ids:
+        engine.end_session(session_id)
 
 
 class _Stream:

@@ -247,9 +247,9 @@ def test_a_speculative_method_that_never_speculated_is_flagged():
 
 
 def test_prompt_lookup_in_the_coordinator_and_in_the_target_and_coordinator_flags(models, tmp_path):
-    """specdec-ngram-local: the coordinator's own n-gram draft, no draft service; specdec-ngram-target:
-    the target's; --coordinator-arg reaches every coordinator (a sequential method's requests leave
-    pipelining to it) and the report."""
+    """specdec-ngram-local: the coordinator's own n-gram draft, no draft service; specdec-ngram-target
+    and specdec-draft-target: the target's n-gram draft and hosted draft model; --coordinator-arg
+    reaches every coordinator (a sequential method's requests leave pipelining to it) and the report."""
     target, draft = models
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": ["Say a b a b a b."]}) + "\n")
@@ -257,7 +257,8 @@ def test_prompt_lookup_in_the_coordinator_and_in_the_target_and_coordinator_flag
     result = subprocess.run(
         [sys.executable, "-m", "specdec.cli", "bench", "--target", str(target), "--draft", str(draft),
          "--prompts", str(prompts), "--max-new-tokens", "16", "--threads", "1", "--timing-repeats", "1",
-         "--methods", "plain,specdec-ngram-local,specdec-ngram-target", "--coordinator-arg=--pipelining=on",
+         "--methods", "plain,specdec-ngram-local,specdec-ngram-target,specdec-draft-target",
+         "--coordinator-arg=--pipelining=on",
          "--no-progress",
          "--out", str(out), "--log-dir", str(tmp_path / "logs")],
         cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
@@ -268,6 +269,7 @@ def test_prompt_lookup_in_the_coordinator_and_in_the_target_and_coordinator_flag
     local = report["batch1"]["overall"]["specdec-ngram-local"]
     assert local["lossless_fraction"] == 1.0 and local["cycles"] > 0
     assert local["pipeline_hit_rate"] is not None  # pipelined by the coordinator's flag, not the request
-    in_target = report["batch1"]["overall"]["specdec-ngram-target"]
-    assert in_target["lossless_fraction"] == 1.0 and in_target["cycles"] > 0
+    for method in ("specdec-ngram-target", "specdec-draft-target"):
+        in_target = report["batch1"]["overall"][method]
+        assert in_target["lossless_fraction"] == 1.0 and in_target["cycles"] > 0, method
     assert not list((tmp_path / "logs").glob("draft_service*"))  # no draft service was started

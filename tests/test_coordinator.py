@@ -51,8 +51,9 @@ def services(dirs, certs, tmp_path_factory):
             "--tls-client-ca", str(certs.ca_cert), "--health-port", "0"]
     trace_env = {"OTEL_TRACES_EXPORTER": "console", "OTEL_BSP_SCHEDULE_DELAY": "50"}
     procs = {
-        "target": launch("target_service", ["--model", str(dirs["target"]), "--max-context", str(CONTEXT), *mtls],
-                         log_dir=logs, env=trace_env),
+        # It also hosts a draft model, for --draft target:model.
+        "target": launch("target_service", ["--model", str(dirs["target"]), "--max-context", str(CONTEXT),
+                                            "--inner-draft", str(dirs["random"]), *mtls], log_dir=logs, env=trace_env),
         "random": launch("draft_service", ["--model", str(dirs["random"]), *plain], log_dir=logs),
         "same": launch("draft_service", ["--model", str(dirs["target"]), *plain], log_dir=logs),
         "ngram": launch("draft_service", ["--proposer", "ngram", "--tokenizer", str(dirs["target"]), *plain],
@@ -69,7 +70,8 @@ def reference(dirs):
 
 
 def coordinator(redis_url, dirs, services, draft: str | None = "same", **kwargs):
-    drafts = [] if not draft else [{"local": "local:ngram", "target": "target:ngram"}.get(draft) or services[draft].address]
+    inner = {"local": "local:ngram", "target": "target:ngram", "target-model": "target:model"}
+    drafts = [] if not draft else [inner.get(draft) or services[draft].address]
     certs = services["certs"]
     client = ClientSettings(tls_ca=certs.ca_cert, tls_cert=certs.client_cert, tls_key=certs.client_key, timeout_s=10.0)
     return running_coordinator(redis_url, dirs["target"], [services["target"].address], drafts,
@@ -89,7 +91,7 @@ async def read_some(call, count: int) -> list:
     return got
 
 
-@pytest.mark.parametrize("draft", ["random", "same", "ngram", "local", "target", "baseline", "disabled"])
+@pytest.mark.parametrize("draft", ["random", "same", "ngram", "local", "target", "target-model", "baseline", "disabled"])
 async def test_greedy_output_equals_plain_decoding_and_is_recorded_before_it_is_streamed(
     redis_url, dirs, services, reference, draft
 ):
@@ -121,8 +123,11 @@ async def test_greedy_output_equals_plain_decoding_and_is_recorded_before_it_is_
                 assert stats.num_draft_tokens == 4 and stats.proposer
             if draft == "same":
                 assert stats.accepted == stats.drafted > 0  # an identical draft is always accepted
-            if draft == "target":  # drafted inside the target's stream: no Propose, steps of several tokens
-                assert stats.proposer == "ngram-target" and stats.decode_steps + stats.cycles < len(want) - 1
+            if draft.startswith("target"):  # drafted inside the target's stream: no Propose call
+                assert stats.proposer == {"target": "ngram-target", "target-model": "draft-model-target"}[draft]
+                assert stats.drafted > 0
+                if draft == "target":  # (the random draft model is rarely right: its steps may hold one token)
+                    assert stats.decode_steps + stats.cycles < len(want) - 1  # steps of several tokens
 
 
 async def test_sampled_output_follows_the_seed_with_or_without_a_draft(redis_url, dirs, services):

@@ -20,6 +20,7 @@ from specdec.engine.batch import run_target_batch
 from specdec.engine.batcher import Batcher
 from specdec.engine.goodput import DraftTrimmer, run_trimmed_batch
 from specdec.engine.target import TargetEngine
+from specdec.engine.inner_draft import LookupDrafter
 from specdec.engine.target_lookup import LookupIndex
 from specdec.proposers.ngram import NgramProposer
 from specdec.engine.target_stream import decode_step_stream
@@ -39,13 +40,7 @@ PROMPTS = [[7, 8, 9, 10, 7, 8, 9, 10, 7, 8], [3, 4, 3, 4, 3, 4, 3], [50, 60, 70,
 
 def lookup_for(engine: TargetEngine, session_id: str, max_tokens: int, stops=frozenset()):
     """What the target service passes decode_step_stream for lookup_draft_tokens = max_tokens."""
-    index = LookupIndex()
-
-    def draft(room: int):
-        index.sync(engine.sessions.peek(session_id).tokens)
-        return index.draft(min(max_tokens, room), stops)
-
-    return draft
+    return LookupDrafter(lambda: engine.sessions.peek(session_id).tokens, max_tokens, stops)
 
 
 def plain(path, prompt: list[int], params: SamplingParams, n: int) -> list[int]:
@@ -60,7 +55,7 @@ async def streamed(engine: TargetEngine, batcher: Batcher, session_id: str, prom
     _, first = engine.start_session(session_id, prompt, params)
     steps = [step async for step in decode_step_stream(
         batcher, session_id, len(prompt) + 1, n - 1, stop_token_ids=stops,
-        lookup=lookup_for(engine, session_id, k, frozenset(stops)))]
+        drafter=lookup_for(engine, session_id, k, frozenset(stops)))]
     return [first] + [t for step in steps for t in step.tokens], steps
 
 

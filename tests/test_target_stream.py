@@ -17,11 +17,12 @@ import pytest
 
 from service_procs import launch, stop_all, tiny_model_dir, wait_all
 from specdec import errors
+from specdec.engine.api import InnerDraft
 from specdec.engine.cycle_cost import measure_cycle
 from specdec.engine.target import TargetEngine
 from specdec.models.loader import load_model
 from specdec.rpc import ACTUAL_POSITION_KEY, target_pb2, target_pb2_grpc
-from specdec.sampling.params import SamplingParams
+from specdec.sampling.params import SamplingMode, SamplingParams
 from specdec.server.settings import ClientSettings
 from target_service.client import connect
 
@@ -47,6 +48,15 @@ def _serve(target_dir, logs, *extra: str):
 @pytest.fixture(scope="module")
 def service(target_dir, tmp_path_factory):
     proc = _serve(target_dir, tmp_path_factory.mktemp("stream-logs"), "--num-slots", "8")
+    yield proc
+    stop_all(proc)
+
+
+@pytest.fixture(scope="module")
+def drafting_service(target_dir, tmp_path_factory):
+    """A target hosting a draft model: itself, so that every drafted token is right (the coordinator
+    tests host a random draft, whose tokens are rejected)."""
+    proc = _serve(target_dir, tmp_path_factory.mktemp("drafting-stream-logs"), "--inner-draft", str(target_dir))
     yield proc
     stop_all(proc)
 
@@ -197,12 +207,57 @@ async def test_a_lookup_stream_drafts_inside_the_target_and_is_plain_decoding(se
         for m in messages:
             assert len(m.token_ids) == (m.num_accepted + 1 if m.num_drafted else 1) and m.num_drafted <= 4
         assert len(messages) < 39 and sum(m.num_accepted for m in messages) > 0
-        with pytest.raises(errors.InvalidArgument, match="lookup_draft_tokens is at most 64"):
-            await read(target.decode_stream(session_id, position + 39, 2, lookup_draft_tokens=65), 1)
-        with measure_cycle() as cost:  # the client reports a lookup step's outcome into the cycle
-            async for step in target.decode_stream(session_id, position + 39, 1, lookup_draft_tokens=4):
-                assert step == reference(41)[40:]
-        assert cost.target_lookup is None  # a stream's first step decodes: it has no draft
+        with pytest.raises(errors.InvalidArgument, match="model_draft_tokens are at most 64"):
+            await read(target.decode_stream(session_id, position + 39, 2, inner_draft=InnerDraft("ngram", 65)), 1)
+        outcomes = []  # the client reports each drafted step's outcome into the cycle it is read in
+        stream = target.decode_stream(session_id, position + 39, 11, inner_draft=InnerDraft("ngram", 4))
+        tokens = []
+        while True:
+            with measure_cycle() as cost:
+                step = await anext(stream, None)
+            if step is None:
+                break
+            tokens += step
+            outcomes.append(cost.inner_draft)
+        assert tokens == reference(51)[40:] and outcomes[0] is None  # the first step decodes: no draft
+        assert any(o is not None and o.num_drafted for o in outcomes)
+
+
+GUMBEL = SamplingParams(temperature=1.0, top_p=0.9, seed=5, mode=SamplingMode.GUMBEL)
+
+
+@pytest.mark.parametrize("params", [GREEDY, GUMBEL], ids=["greedy", "gumbel"])
+async def test_a_stream_drafted_by_the_hosted_draft_model_is_plain_decoding(drafting_service, reference, params):
+    """model_draft_tokens: the target's own draft model drafts each step (distributions included:
+    Gumbel-coupled sampling is token for token plain sampling); two turns in a row reuse its
+    session; both fields at once are refused; a target hosting no draft decodes plainly."""
+    expected = reference(50, params)
+    async with session(drafting_service, params) as (target, session_id, position):
+        stub = target_pb2_grpc.TargetServiceStub(target.channel)
+
+        async def stream(at: int, n: int, **fields):
+            return [m async for m in stub.DecodeStream(target_pb2.TargetServiceDecodeStreamRequest(
+                session_id=session_id, position=at, num_tokens=n, **fields))]
+
+        first = await stream(position, 20, model_draft_tokens=3)
+        second = await stream(position + 20, 29, model_draft_tokens=3)
+        assert [t for m in first + second for t in m.token_ids] == expected[1:]
+        drafted = sum(m.num_drafted for m in first + second)
+        assert sum(m.num_accepted for m in first + second) == drafted > 20  # the same model: all accepted
+        for m in first + second:
+            assert len(m.token_ids) == (m.num_accepted + 1 if m.num_drafted else 1) and m.num_drafted <= 3
+        with pytest.raises(grpc.aio.AioRpcError) as both:
+            await stream(position + 49, 2, model_draft_tokens=2, lookup_draft_tokens=2)
+        assert both.value.code() == Code.INVALID_ARGUMENT and "not both" in both.value.details()
+
+
+async def test_a_target_hosting_no_draft_model_decodes_plainly(service, reference):
+    async with session(service) as (target, session_id, position):
+        stub = target_pb2_grpc.TargetServiceStub(target.channel)
+        messages = [m async for m in stub.DecodeStream(target_pb2.TargetServiceDecodeStreamRequest(
+            session_id=session_id, position=position, num_tokens=10, model_draft_tokens=3))]
+        assert [t for m in messages for t in m.token_ids] == reference(11)[1:]
+        assert all(m.num_drafted == 0 and len(m.token_ids) == 1 for m in messages)
 
 
 async def _take(call, count: int):

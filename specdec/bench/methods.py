@@ -27,6 +27,7 @@ CATALOG: dict[str, str] = {
     "specdec-draft": "this system distributed, draft model, sequential cycles",
     "specdec-ngram-local": "n-gram proposer inside the coordinator (--draft local:ngram): no draft service, one round trip a cycle",
     "specdec-ngram-target": "n-gram proposer inside the target's decode stream (--draft target:ngram): no round trip a cycle",
+    "specdec-draft-target": "draft model hosted by the target (--inner-draft, --draft target:model): no round trip a cycle",
     "specdec-ngram-pipelined": "this system distributed, n-gram proposer, pipelined cycles",
     "specdec-draft-pipelined": "this system distributed, draft model, pipelined cycles",
     "specdec-ngram-pipelined3": "pipelined, n-gram, 3 branches per speculative draft (--pipeline-branches 3)",
@@ -34,12 +35,12 @@ CATALOG: dict[str, str] = {
     "specdec-draft-pipelined3": "pipelined, draft model, 3 branches: also all but the last token accepted",
 }
 NOT_BUILT: dict[str, str] = {}
-OPT_IN = ("plain-calls", "specdec-ngram-local", "specdec-ngram-target")  # diagnostics: run only when named
-NEEDS_DRAFT = ("hf-assisted", "specdec-draft", "specdec-draft-pipelined", "specdec-draft-pipelined2",
-               "specdec-draft-pipelined3")
+OPT_IN = ("plain-calls", "specdec-ngram-local", "specdec-ngram-target", "specdec-draft-target")  # run when named
+NEEDS_DRAFT = ("hf-assisted", "specdec-draft", "specdec-draft-target", "specdec-draft-pipelined",
+               "specdec-draft-pipelined2", "specdec-draft-pipelined3")
 PLAIN_SERVICE_METHODS = ("plain", "plain-calls")
 SERVICE_METHODS = (*PLAIN_SERVICE_METHODS, "specdec-ngram", "specdec-draft", "specdec-ngram-local", "specdec-ngram-target",
-                   "specdec-ngram-pipelined",
+                   "specdec-draft-target", "specdec-ngram-pipelined",
                    "specdec-draft-pipelined",
                    "specdec-ngram-pipelined3", "specdec-draft-pipelined2", "specdec-draft-pipelined3")
 SPECULATIVE = ("hf-assisted", "hf-pld", *SERVICE_METHODS[len(PLAIN_SERVICE_METHODS):])
@@ -48,7 +49,9 @@ PIPELINED_SUFFIX = "-pipelined"  # the same coordinator as the sequential method
 _PIPELINED = re.compile(r"-pipelined(?P<branches>[23])?$")
 LOCAL_PROPOSER = "ngram-local"  # a coordinator with --draft local:ngram and no draft service
 TARGET_PROPOSER = "ngram-target"  # a coordinator with --draft target:ngram and no draft service
-IN_PROCESS_PROPOSERS = {LOCAL_PROPOSER: "local:ngram", TARGET_PROPOSER: "target:ngram"}  # -> --draft
+TARGET_MODEL_PROPOSER = "draft-model-target"  # --draft target:model: the target hosts the draft (--inner-draft)
+IN_PROCESS_PROPOSERS = {LOCAL_PROPOSER: "local:ngram", TARGET_PROPOSER: "target:ngram",
+                        TARGET_MODEL_PROPOSER: "target:model"}  # -> the coordinator's --draft
 REPLAY_PREFIX = "specdec-replay-"  # + alpha: the draft model's passes, the target's token with probability alpha
 
 
@@ -139,7 +142,7 @@ def proposer_of(name: str) -> str | None:
     if name.startswith(REPLAY_PREFIX):
         return "replay-" + name[len(REPLAY_PREFIX):]
     return {"specdec-ngram": "ngram", "specdec-draft": "draft-model", "specdec-ngram-local": LOCAL_PROPOSER,
-            "specdec-ngram-target": TARGET_PROPOSER}.get(name)
+            "specdec-ngram-target": TARGET_PROPOSER, "specdec-draft-target": TARGET_MODEL_PROPOSER}.get(name)
 # The reference each method's speedup and losslessness are measured against.
 REFERENCE = {"hf-assisted": "hf-greedy", "hf-pld": "hf-greedy"}
 DEFAULT_REFERENCE = "plain"

@@ -36,7 +36,7 @@ def timed_proposer(name: str) -> str | None:
     name = without_pipelining(base_name(name))
     if name in ("specdec-ngram", "specdec-ngram-local", "specdec-ngram-target"):
         return "ngram"
-    return "draft-model" if name == "specdec-draft" or name.startswith(REPLAY_PREFIX) else None
+    return "draft-model" if name in ("specdec-draft", "specdec-draft-target") or name.startswith(REPLAY_PREFIX) else None
 
 _SUMMED = ("cycles", "drafted", "accepted", "recovered", "bonus", "decode_steps", "fallbacks", "draft_seconds",
            "verify_seconds", "decode_seconds", "pipeline_hits", "pipeline_misses", "pipeline_wrong_guesses",

@@ -11,7 +11,7 @@ import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specdec.bench.methods import IN_PROCESS_PROPOSERS
+from specdec.bench.methods import IN_PROCESS_PROPOSERS, TARGET_MODEL_PROPOSER
 from specdec.bench.netdelay import LoopbackNetwork
 from specdec.processes import ServiceProcess, stop_all
 
@@ -97,6 +97,8 @@ class Deployment:
             if o.max_context:
                 target_args += ["--max-context", str(o.max_context)]
             target_args += cuda_graphs_args(o) + list(o.target_args)
+            if TARGET_MODEL_PROPOSER in proposers:  # the target hosts the draft model, on its own device
+                target_args += ["--inner-draft", str(o.draft_dir)]
             self.proposers = list(proposers)
             self.target = self._spawn("target", "target_service", target_args)
             for name, (module, args) in draft_specs(o, proposers).items():

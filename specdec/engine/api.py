@@ -18,6 +18,15 @@ from specdec.types import DraftBlock, VerifyOutcome
 
 
 @dataclass(frozen=True)
+class InnerDraft:
+    """Drafts the target makes inside its decode stream (specdec.engine.inner_draft): "ngram" (prompt
+    lookup) or "model" (the draft model it hosts), up to num_tokens a step."""
+
+    kind: str
+    num_tokens: int
+
+
+@dataclass(frozen=True)
 class Proposal:
     """A drafted block and where it sits: its tokens occupy [position, position + k).
 
@@ -58,13 +67,13 @@ class TargetAPI(Protocol):
 
     def decode_stream(
         self, session_id: str, position: int, num_tokens: int, append_token_ids: Sequence[int] = (),
-        stop_token_ids: Sequence[int] = (), lookup_draft_tokens: int = 0,
+        stop_token_ids: Sequence[int] = (), inner_draft: InnerDraft | None = None,
     ) -> AsyncIterator[list[int]]:
         """decode(), one step's tokens at a time as they are committed, ending right after a stop
         token. A caller that stops reading early truncates to where it stopped before any other
-        call of the session (the target may have committed a step more). lookup_draft_tokens > 0:
-        a target that can drafts that many tokens a step by prompt lookup and verifies them in the
-        step (several tokens a step, the same output); one that cannot decodes plainly."""
+        call of the session (the target may have committed a step more). inner_draft: a target
+        that can drafts each step itself and verifies the draft in the step (several tokens a step,
+        the same output); one that cannot decodes plainly."""
 
     async def truncate(self, session_id: str, position: int) -> int: ...
 

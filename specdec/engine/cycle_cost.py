@@ -39,9 +39,9 @@ class CycleCost:
     # A plain step's: drafted tokens the target would have verified for this session in that step
     # (its goodput trimming; None: not said). Not a cost, but it travels the same way.
     target_draft_limit: int | None = None
-    # A streamed step that verified a draft of the target's own prompt lookup: its outcome
-    # (specdec.engine.target_lookup), so the loop counts the step as a speculative cycle.
-    target_lookup: VerifyOutcome | None = None
+    # A streamed step that verified a draft the target made itself: its outcome
+    # (specdec.engine.inner_draft), so the loop counts the step as a speculative cycle.
+    inner_draft: VerifyOutcome | None = None
 
     @property
     def model_s(self) -> float:
@@ -88,11 +88,11 @@ def report_draft_limit(num_tokens: int | None) -> None:
         cost.target_draft_limit = num_tokens
 
 
-def report_target_lookup(outcome: VerifyOutcome) -> None:
-    """The cycle's streamed step verified a draft the target made by prompt lookup."""
+def report_inner_draft(outcome: VerifyOutcome) -> None:
+    """The cycle's streamed step verified a draft the target made itself."""
     cost = _current.get()
     if cost is not None:
-        cost.target_lookup = outcome
+        cost.inner_draft = outcome
 
 
 @contextlib.contextmanager

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import AsyncIterator, Sequence
 
-from specdec.engine.api import Proposal, decode_by_steps
+from specdec.engine.api import InnerDraft, Proposal, decode_by_steps
 from specdec.engine.draft import DraftEngine
 from specdec.engine.target import TargetEngine
 from specdec.engine.cycle_cost import DRAFT, TARGET, model_time
@@ -38,10 +38,10 @@ class LocalTarget:
 
     def decode_stream(
         self, session_id: str, position: int, num_tokens: int, append_token_ids: Sequence[int] = (),
-        stop_token_ids: Sequence[int] = (), lookup_draft_tokens: int = 0,
+        stop_token_ids: Sequence[int] = (), inner_draft: InnerDraft | None = None,
     ) -> AsyncIterator[list[int]]:
         """decode() one token at a time (an in-process engine has no step to overlap, and no round
-        trip for prompt lookup inside it to save: an in-process n-gram draft does the same)."""
+        trip for an inner draft to save: an in-process draft does the same)."""
         return decode_by_steps(self.decode, session_id, position, num_tokens, append_token_ids, stop_token_ids)
 
     async def truncate(self, session_id: str, position: int) -> int:

@@ -9,11 +9,14 @@ waits for the caller's round trip.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Collection, Sequence
+from typing import TYPE_CHECKING, AsyncIterator, Collection, Sequence
 
 from specdec.engine.batch import DecodeWork, VerifyWork
 from specdec.engine.batcher import Batcher, StepTiming
-from specdec.types import DraftBlock, VerifyOutcome
+from specdec.types import VerifyOutcome
+
+if TYPE_CHECKING:
+    from specdec.engine.inner_draft import Drafter
 
 
 async def decode_steps(
@@ -53,17 +56,17 @@ async def decode_step_stream(
     num_tokens: int,
     append_token_ids: Sequence[int] = (),
     stop_token_ids: Collection[int] = (),
-    lookup: Callable[[int], DraftBlock] | None = None,
+    drafter: Drafter | None = None,
 ) -> AsyncIterator[StreamStep]:
     """Each step as soon as it ends; the next step is submitted when the consumer asks for it. The
     first step commits append_token_ids and checks that the whole budget fits the context (as
     engine.decode does); decoding ends after num_tokens tokens or right after a stop token (which is
     committed, like the others). num_tokens 0: one step that only commits.
 
-    lookup(max_tokens), if given, drafts up to max_tokens tokens for each step after the first, from
-    the session's committed tokens (prompt lookup inside the target, specdec.engine.target_lookup);
-    a step with a draft verifies it and commits the accepted tokens and the next one, a step without
-    one decodes one token. Drafts stop one token short of the budget, so no step runs past it."""
+    drafter, if given, drafts for each step after the first (inside the target: prompt lookup or
+    the hosted draft model, specdec.engine.inner_draft); a step with a draft verifies it and commits
+    the accepted tokens and the next one, a step without one decodes one token. Drafts stop one
+    token short of the budget, so no step runs past it."""
     stop = frozenset(stop_token_ids)
     first = DecodeWork(session_id, position, tuple(int(t) for t in append_token_ids),
                        num_tokens=min(num_tokens, 1), room=num_tokens)
@@ -73,7 +76,7 @@ async def decode_step_stream(
     position += len(first.append_token_ids) + generated
     while generated < num_tokens and tokens[-1] not in stop:
         left = num_tokens - generated
-        draft = lookup(left - 1) if lookup is not None and left > 1 else None
+        draft = await drafter.draft(left - 1) if drafter is not None and left > 1 else None
         outcome = None
         if draft is not None and draft.num_tokens:
             outcome, cost = await batcher.submit_timed(VerifyWork(session_id, position, draft))

@@ -18,9 +18,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, ContextManager, Sequence
 
-from specdec.engine.api import DraftAPI, TargetAPI
+from specdec.engine.api import DraftAPI, InnerDraft, TargetAPI
 from specdec.engine.cycle_cost import CycleCost, measure_cycle
-from specdec.engine.target_lookup import LOOKUP_PROPOSER
+from specdec.engine.inner_draft import PROPOSERS as INNER_PROPOSERS
 from specdec.errors import ServiceUnavailable, SessionNotFound
 from specdec.generation.adaptive import DraftLengthPolicy
 from specdec.generation.pipeline import PipelinedDrafting
@@ -52,10 +52,10 @@ class LoopSettings:
     # knows it will decode plainly, is one call whose next step the target starts while the last
     # token travels, instead of one round trip per token. False: one Decode call per token.
     stream_plain: bool = True
-    # Prompt lookup inside the target (specdec.engine.target_lookup): streamed plain steps draft up to
-    # this many tokens each and verify them in the step, no draft call and no round trip per cycle.
-    # For a loop without a draft (--draft target:ngram); 0: off.
-    target_lookup_tokens: int = 0
+    # Drafts made inside the target (specdec.engine.inner_draft): streamed plain steps draft and verify
+    # in the step, no draft call and no round trip per cycle. For a loop without a draft (--draft
+    # target:ngram or target:model); None: off.
+    inner_draft: InnerDraft | None = None
 
 
 @dataclass
@@ -136,8 +136,7 @@ class SpeculativeLoop:
             self.policy = DraftLengthPolicy(k, k, adapt=False)
         self.pipeline = PipelinedDrafting(self) if self.settings.pipelining and draft is not None else None
         # Plain steps, streamed in runs (plain_runs.py); with target lookup, steps that may speculate.
-        lookup = self.settings.target_lookup_tokens if self.settings.stream_plain else 0
-        self.plain_runs = PlainRuns(target, lookup)
+        self.plain_runs = PlainRuns(target, self.settings.inner_draft if self.settings.stream_plain else None)
         self._policy_plain = False  # the policy chose this cycle's plain step (not the budget)
 
     async def run(self, cursor: SessionCursor, stop: StopChecker, emit: TokenSink) -> GenerationResult:
@@ -188,10 +187,10 @@ class SpeculativeLoop:
         """At a cycle's end: account its cost; the policy learns from model times and the overhead
         apart (services that report no model time: from the calls' wall times)."""
         stats.record_cost(cost)
-        if cost.target_lookup is not None:  # a streamed step that verified the target's own lookup draft
+        if cost.inner_draft is not None:  # a streamed step that verified the target's own draft
             stats.decode_steps -= 1  # counted as a plain step by _decode; it was a speculative cycle
-            stats.record(cost.target_lookup)
-            self.observer.verified(cost.target_lookup, LOOKUP_PROPOSER)
+            stats.record(cost.inner_draft)
+            self.observer.verified(cost.inner_draft, INNER_PROPOSERS[self.settings.inner_draft.kind])
         self.observer.cycle_cost(cost)
         calls, self._cycle_calls = self._cycle_calls, None
         if self.policy is None or calls is None:

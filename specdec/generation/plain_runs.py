@@ -11,15 +11,15 @@ from __future__ import annotations
 
 from typing import AsyncIterator, Collection
 
-from specdec.engine.api import TargetAPI
+from specdec.engine.api import InnerDraft, TargetAPI
 
 
 class PlainRuns:
-    def __init__(self, target: TargetAPI, lookup_draft_tokens: int = 0):
+    def __init__(self, target: TargetAPI, inner_draft: InnerDraft | None = None):
         self.target = target
-        # > 0: the target drafts by prompt lookup inside each step (TargetAPI.decode_stream), so a
-        # step of the run may commit several tokens.
-        self.lookup_draft_tokens = lookup_draft_tokens
+        # The target drafts inside each step (TargetAPI.decode_stream), so a step of the run may
+        # commit several tokens.
+        self.inner_draft = inner_draft
         self._stream: AsyncIterator[list[int]] | None = None
         self._left = 0  # tokens the open run will still produce
 
@@ -28,7 +28,7 @@ class PlainRuns:
         None: the target ended the open run early (another call of the session came first); close
         it, truncate to `position`, and ask again."""
         if self._stream is None:
-            extra = {"lookup_draft_tokens": self.lookup_draft_tokens} if self.lookup_draft_tokens else {}
+            extra = {"inner_draft": self.inner_draft} if self.inner_draft else {}
             self._stream = self.target.decode_stream(session_id, position, run, stop_token_ids=sorted(stop_token_ids),
                                                      **extra)
             self._left = run
