@@ -25,7 +25,7 @@ import grpc.aio
 
 from specdec import errors
 from specdec.engine.api import InnerDraft, decode_by_steps
-from specdec.engine.cycle_cost import TARGET, report_draft_limit, report_model_time, report_inner_draft
+from specdec.engine.cycle_cost import DRAFT, TARGET, report_draft_limit, report_inner_draft, report_model_time
 from specdec.models.base import ModelInfo
 from specdec.rpc import target_pb2, target_pb2_grpc
 from specdec.rpc_convert import (
@@ -163,6 +163,8 @@ class TargetClient(ServiceClient):
                 timing = server_timing_seconds(response)
                 if timing is not None:
                     report_model_time(self.ROLE, *timing, now - last)
+                    if response.timing.draft_model_ns:  # a draft the target's hosted draft model made
+                        report_model_time(DRAFT, response.timing.draft_model_ns * 1e-9)
                 report_draft_limit(response.draft_limit if response.HasField("draft_limit") else None)
                 tokens = list(response.token_ids)
                 if response.num_drafted:

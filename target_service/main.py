@@ -122,7 +122,8 @@ async def serve_target(settings: TargetServiceSettings, engine, tokenizer, trace
     )
 
 
-def run(settings: TargetServiceSettings) -> int:
+def run(settings: TargetServiceSettings, adapt_inner_draft=None) -> int:
+    """adapt_inner_draft(engine) -> engine: a benchmark's hook on the hosted draft (bench/replay_target)."""
     from specdec.engine.target import TargetEngine
     from specdec.models.loader import load_model
     from specdec.models.registry import resolve_model
@@ -141,6 +142,8 @@ def run(settings: TargetServiceSettings) -> int:
     engine = TargetEngine(model, idle_ttl_s=settings.session_ttl_s, fault_injection=settings.test_fault)
     tokenizer = tokenizer_facts(model_dir)
     inner_draft = load_inner_draft(settings, tokenizer) if settings.inner_draft else None
+    if inner_draft is not None and adapt_inner_draft is not None:
+        inner_draft = adapt_inner_draft(inner_draft)
     return service.run_traced(settings.server,
                               lambda provider: serve_target(settings, engine, tokenizer, provider, inner_draft))
 

@@ -193,6 +193,9 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
                 )
                 if step.outcome is not None:
                     response.num_drafted, response.num_accepted = step.outcome.num_drafted, step.outcome.num_accepted
+                if step.draft_cost is not None:
+                    response.timing.draft_model_ns = step.draft_cost.model_ns
+                    response.timing.queued_ns += step.draft_cost.queued_ns
                 yield response
                 started_ns = time.perf_counter_ns()
         finally:

@@ -236,6 +236,11 @@ def test_method_choice_reports_what_is_not_built_or_lacks_a_draft():
         choose_methods(["nope"], have_draft=True)
     with pytest.raises(ValueError, match="draft"):
         choose_methods(["plain"], have_draft=False, replay_alphas=(0.8,))
+    run, _ = choose_methods(["plain", "specdec-replay-target"], have_draft=True, replay_alphas=(0.8,))
+    assert run == ["plain", "specdec-replay-0.8", "specdec-replay-target-0.8"]
+    assert proposer_of("specdec-replay-target-0.8") == "draft-model-target"
+    with pytest.raises(ValueError, match="one --replay-alpha"):
+        choose_methods(["specdec-replay-target"], have_draft=True, replay_alphas=(0.6, 0.8))
 
 
 def test_a_speculative_method_that_never_speculated_is_flagged():
@@ -244,6 +249,29 @@ def test_a_speculative_method_that_never_speculated_is_flagged():
     overall = {"plain": {"cycles": 0}, "specdec-draft": {"cycles": 0, "decode_steps": 127},
                "specdec-ngram": {"cycles": 40}, "hf-assisted": {}, "_step_times": {}}
     assert did_not_speculate(overall) == ["specdec-draft"]
+
+
+def test_a_replay_draft_hosted_by_the_target_accepts_what_alpha_says(models, tmp_path):
+    """specdec-replay-target: the target service hosts the draft and replays the target's greedy
+    tokens with probability alpha (bench/replay_target.py), next to the draft service's replay."""
+    target, draft = models
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"question_id": i, "category": "qa", "turns": [t]}) + "\n"
+                               for i, t in enumerate(["Tell me a story.", "List some fruit."])))
+    out = tmp_path / "bench.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "specdec.cli", "bench", "--target", str(target), "--draft", str(draft),
+         "--prompts", str(prompts), "--max-new-tokens", "32", "--threads", "1", "--timing-repeats", "1",
+         "--methods", "plain,specdec-replay-target", "--replay-alpha", "0.9", "--ignore-eos", "--no-progress",
+         "--out", str(out), "--log-dir", str(tmp_path / "logs")],
+        cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    overall = json.loads(out.read_text())["batch1"]["overall"]
+    for method in ("specdec-replay-0.9", "specdec-replay-target-0.9"):
+        assert overall[method]["lossless_fraction"] == 1.0 and overall[method]["cycles"] > 0, method
+        assert overall[method]["acceptance_rate"] > 0.7, method  # the replayed tokens are the target's
+    assert list((tmp_path / "logs").glob("*replay_target*"))  # the target ran as the replay target
 
 
 def test_prompt_lookup_in_the_coordinator_and_in_the_target_and_coordinator_flags(models, tmp_path):

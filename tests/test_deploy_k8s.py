@@ -276,6 +276,26 @@ def test_prompt_lookup_inside_the_coordinator_deploys_no_draft_pods():
         validate(doc)
 
 
+@pytest.mark.parametrize("proposer", ["target-ngram", "target-model"])
+def test_drafts_inside_the_target_deploy_no_draft_pods(proposer):
+    """models.draftProposer target-ngram / target-model: the coordinator asks the targets to draft
+    (--draft=target:...); target-model makes the speculative targets host the draft model; no draft
+    pods; every rendered manifest validates."""
+    docs = render({"models": {"draftProposer": proposer}})
+    names = {d["metadata"]["name"] for d in docs}
+    assert not any("draft" in name for name in names), sorted(names)
+    coordinator = containers(by_kind(docs, "Deployment")["specdec-coordinator"])["coordinator"]
+    assert f"--draft=target:{proposer.split('-')[1]}" in coordinator["args"]
+    deployments = by_kind(docs, "Deployment")
+    hosted = "--inner-draft=smollm2-135m-draft"
+    assert (hosted in containers(deployments["specdec-target-speculative"])["target"]["args"]) == (proposer == "target-model")
+    assert hosted not in containers(deployments["specdec-target-baseline"])["target"]["args"]
+    report = helm.lint(CHART, {"models": {"draftProposer": proposer}}, strict=True)
+    assert not [m for m in report["messages"] if m["severity"] >= 2] and not report["errors"], report
+    for doc in docs:
+        validate(doc)
+
+
 def test_autoscaling_on_serving_metrics_not_cpu(default_docs):
     hpas = by_kind(default_docs, "HorizontalPodAutoscaler")
     targets = {**by_kind(default_docs, "Deployment")}

@@ -246,6 +246,7 @@ async def test_a_stream_drafted_by_the_hosted_draft_model_is_plain_decoding(draf
         assert sum(m.num_accepted for m in first + second) == drafted > 20  # the same model: all accepted
         for m in first + second:
             assert len(m.token_ids) == (m.num_accepted + 1 if m.num_drafted else 1) and m.num_drafted <= 3
+            assert (m.timing.draft_model_ns > 0) == (m.num_drafted > 0)  # drafting is model time, reported apart
         with pytest.raises(grpc.aio.AioRpcError) as both:
             await stream(position + 49, 2, model_draft_tokens=2, lookup_draft_tokens=2)
         assert both.value.code() == Code.INVALID_ARGUMENT and "not both" in both.value.details()

@@ -53,6 +53,8 @@ TARGET_MODEL_PROPOSER = "draft-model-target"  # --draft target:model: the target
 IN_PROCESS_PROPOSERS = {LOCAL_PROPOSER: "local:ngram", TARGET_PROPOSER: "target:ngram",
                         TARGET_MODEL_PROPOSER: "target:model"}  # -> the coordinator's --draft
 REPLAY_PREFIX = "specdec-replay-"  # + alpha: the draft model's passes, the target's token with probability alpha
+# + alpha: the same, drafted inside the target (bench/replay_target.py, --draft target:model); one alpha a run
+REPLAY_TARGET_PREFIX = "specdec-replay-target-"
 
 
 def replay_method(alpha: float) -> str:
@@ -139,6 +141,8 @@ def is_speculative(name: str) -> bool:
 def proposer_of(name: str) -> str | None:
     """The proposer a service method's coordinator drafts with (draft service name)."""
     name = without_pipelining(base_name(name))
+    if name.startswith(REPLAY_TARGET_PREFIX):
+        return TARGET_MODEL_PROPOSER
     if name.startswith(REPLAY_PREFIX):
         return "replay-" + name[len(REPLAY_PREFIX):]
     return {"specdec-ngram": "ngram", "specdec-draft": "draft-model", "specdec-ngram-local": LOCAL_PROPOSER,
@@ -268,8 +272,14 @@ def choose_methods(requested: list[str] | None, have_draft: bool,
     (one per alpha) come after the catalog's."""
     names = list(requested) if requested else [n for n in CATALOG if n not in OPT_IN]
     replays = [replay_method(a) for a in replay_alphas]
+    if "specdec-replay-target" in names:  # the target hosts one replay draft: one alpha
+        if len(replay_alphas) != 1:
+            raise ValueError("specdec-replay-target replays one alpha (the target hosts one draft): give one --replay-alpha")
+        replays.append(f"{REPLAY_TARGET_PREFIX}{replay_alphas[0]:g}")
+        names.remove("specdec-replay-target")
     twins = [n for n in names if re.fullmatch(r"specdec-replay-pipelined[23]?", n)]
-    replays += [r + twin.removeprefix("specdec-replay") for twin in twins for r in replays]  # pipelined twins
+    replays += [r + twin.removeprefix("specdec-replay") for twin in twins for r in replays
+                if not r.startswith(REPLAY_TARGET_PREFIX)]  # pipelined twins
     names = [n for n in names if n != "specdec-replay" and n not in twins]
     unknown = [n for n in names if n not in CATALOG]
     if unknown:

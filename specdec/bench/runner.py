@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specdec.bench import meta, phases
-from specdec.bench.methods import (CATALOG, PLAIN_SERVICE_METHODS, REPLAY_PREFIX, SERVER_POLICY, InProcessPlain,
+from specdec.bench.methods import (CATALOG, PLAIN_SERVICE_METHODS, REPLAY_PREFIX, REPLAY_TARGET_PREFIX, SERVER_POLICY,
+                                   InProcessPlain,
                                    RequestResult, ServiceMethod, base_name, choose_methods, coordinator_of,
                                    fixed_k_of, is_pipelined, is_service, parse_k_policy, policy_variants,
                                    proposer_of)
@@ -123,6 +124,8 @@ class Bench:
                               max_context=c.max_context,
                               num_draft_tokens=c.num_draft_tokens, replay_references=self.references,
                               replay_seed=c.replay_seed, extra_env=dict(c.extra_env), target_args=tuple(c.target_args),
+                              replay_target_alpha=next((float(m[len(REPLAY_TARGET_PREFIX):]) for m in self.methods
+                                                        if m.startswith(REPLAY_TARGET_PREFIX)), None),
                               coordinator_args=tuple(c.coordinator_args),
                               plain_calls="plain-calls" in self.methods,
                               branch_coordinators=tuple(dict.fromkeys(

@@ -31,6 +31,7 @@ class ServiceOptions:
     max_context: int | None = None
     replay_references: Path | None = None  # replay proposers (model-scale runs): references file
     replay_seed: int = 0
+    replay_target_alpha: float | None = None  # the target hosts a replay draft (bench/replay_target.py)
     extra_env: dict = field(default_factory=dict)
     target_args: tuple[str, ...] = ()  # extra flags for the target service
     coordinator_args: tuple[str, ...] = ()  # extra flags for every coordinator
@@ -97,10 +98,15 @@ class Deployment:
             if o.max_context:
                 target_args += ["--max-context", str(o.max_context)]
             target_args += cuda_graphs_args(o) + list(o.target_args)
+            module = "target_service"
             if TARGET_MODEL_PROPOSER in proposers:  # the target hosts the draft model, on its own device
                 target_args += ["--inner-draft", str(o.draft_dir)]
+                if o.replay_target_alpha is not None:  # ... as a replay draft (model-scale runs)
+                    module = "specdec.bench.replay_target"
+                    target_args += ["--replay-alpha", f"{o.replay_target_alpha:g}", "--replay-references",
+                                    str(o.replay_references), "--replay-seed", str(o.replay_seed)]
             self.proposers = list(proposers)
-            self.target = self._spawn("target", "target_service", target_args)
+            self.target = self._spawn("target", module, target_args)
             for name, (module, args) in draft_specs(o, proposers).items():
                 self.drafts[name] = self._spawn("draft", module, ["--host", self.network.host("draft"), *args])
             for role, proc in [("target", self.target), *[("draft", p) for p in self.drafts.values()]]:

@@ -18,9 +18,10 @@ and never hold a stop token, so a stream still ends right after its stop token.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable, Collection, Protocol, Sequence
 
-from specdec.engine.batcher import Batcher, ModelThread
+from specdec.engine.batcher import Batcher, ModelThread, StepTiming
 from specdec.engine.draft import DraftEngine
 from specdec.engine.draft_batch import ProposeWork
 from specdec.engine.goodput import prefix
@@ -36,8 +37,9 @@ PROPOSERS = {LOOKUP: "ngram-target", MODEL: "draft-model-target"}  # names in st
 
 
 class Drafter(Protocol):
-    async def draft(self, room: int) -> DraftBlock:
-        """Up to `room` tokens (and the stream's own limit) continuing the committed tokens."""
+    async def draft(self, room: int) -> tuple[DraftBlock, StepTiming]:
+        """Up to `room` tokens (and the stream's own limit) continuing the committed tokens, and
+        what drafting them cost on the model thread (nothing for a lookup on the event loop)."""
 
 
 class LookupDrafter:
@@ -46,12 +48,12 @@ class LookupDrafter:
         self.committed, self.max_tokens, self.stops = committed, max_tokens, frozenset(stop_token_ids)
         self.index = LookupIndex()
 
-    async def draft(self, room: int) -> DraftBlock:
+    async def draft(self, room: int) -> tuple[DraftBlock, StepTiming]:
         tokens = self.committed()
         if tokens is None:  # the session ended meanwhile: the step itself reports it
-            return DraftBlock.empty()
+            return DraftBlock.empty(), StepTiming()
         self.index.sync(tokens)
-        return self.index.draft(min(self.max_tokens, room), self.stops)
+        return self.index.draft(min(self.max_tokens, room), self.stops), StepTiming()
 
 
 class ModelDrafter:
@@ -68,26 +70,30 @@ class ModelDrafter:
         self.known = 0  # of them, a prefix of the committed tokens (which only grow during a stream)
         self.failed = False
 
-    async def draft(self, room: int) -> DraftBlock:
+    async def draft(self, room: int) -> tuple[DraftBlock, StepTiming]:
         tokens = self.committed()
+        cost = StepTiming()
         if self.failed or tokens is None:
-            return DraftBlock.empty()
+            return DraftBlock.empty(), cost
         tokens = list(tokens)
         try:
             if self.draft_tokens is None:  # first step: align the draft session on the model thread
+                started = time.perf_counter_ns()
                 self.draft_tokens = await self.model_thread.run(self._align, tokens)
+                cost.model_ns += time.perf_counter_ns() - started  # a prefill, mostly: model time
             keep = _common_prefix(self.draft_tokens, tokens, self.known)
-            proposal = await self.batcher.submit(ProposeWork(self.session_id, keep, tuple(tokens[keep:]),
-                                                             min(self.max_tokens, room)))
+            proposal, step = await self.batcher.submit_timed(ProposeWork(
+                self.session_id, keep, tuple(tokens[keep:]), min(self.max_tokens, room)))
+            cost.add(step)
         except Exception as exc:  # noqa: BLE001 - a failing draft decodes plainly, never fails the stream
             log.warning("inner draft failed for session %s, decoding plainly: %r", self.session_id, exc)
             self.failed = True
-            return DraftBlock.empty()
+            return DraftBlock.empty(), cost
         block = proposal.block
         drafted = block.token_ids.tolist()
         self.draft_tokens, self.known = tokens + drafted, len(tokens)
         cut = next((i for i, t in enumerate(drafted) if t in self.stops), len(drafted))
-        return block if cut == len(drafted) else prefix(block, cut)
+        return (block if cut == len(drafted) else prefix(block, cut)), cost
 
     def _align(self, tokens: list[int]) -> list[int]:
         """On the model thread: open the draft session, or cut it back to what it shares with the

@@ -42,11 +42,12 @@ async def decode_steps(
 @dataclass
 class StreamStep:
     """One step of decode_step_stream: the tokens it committed, what it cost, and its verify outcome
-    when it verified a lookup draft (None for a plain step)."""
+    when it verified a draft (None for a plain step), with what drafting cost on the model thread."""
 
     tokens: list[int]
     cost: StepTiming
     outcome: VerifyOutcome | None = None
+    draft_cost: StepTiming | None = None
 
 
 async def decode_step_stream(
@@ -76,13 +77,13 @@ async def decode_step_stream(
     position += len(first.append_token_ids) + generated
     while generated < num_tokens and tokens[-1] not in stop:
         left = num_tokens - generated
-        draft = await drafter.draft(left - 1) if drafter is not None and left > 1 else None
+        draft, draft_cost = await drafter.draft(left - 1) if drafter is not None and left > 1 else (None, None)
         outcome = None
         if draft is not None and draft.num_tokens:
             outcome, cost = await batcher.submit_timed(VerifyWork(session_id, position, draft))
             tokens = draft.token_ids[: outcome.num_accepted].tolist() + [outcome.next_token]
         else:
             tokens, cost = await batcher.submit_timed(DecodeWork(session_id, position, num_tokens=1, room=left))
-        yield StreamStep(tokens, cost, outcome)
+        yield StreamStep(tokens, cost, outcome, draft_cost)
         generated += len(tokens)
         position += len(tokens)

@@ -21,7 +21,7 @@
 {{- define "specdec.modelGroups" -}}
 - {kind: target, pool: baseline}
 - {kind: target, pool: speculative}
-{{- if ne .Values.models.draftProposer "local-ngram" }}{{/* local-ngram: drafts inside the coordinator */}}
+{{- if not (has .Values.models.draftProposer (list "local-ngram" "target-ngram" "target-model")) }}{{/* drafts in the coordinator or the target */}}
 - {kind: draft, pool: speculative}
 {{- end }}
 {{- end }}
