@@ -223,8 +223,11 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
             current = self.engine.sessions.peek(session_id)
             return None if current is None else current.tokens
 
+        def limit():  # what the goodput trimming would verify for it now (None: no limit known)
+            return self._draft_limit(session_id)
+
         if lookup:
-            return LookupDrafter(committed, lookup, request.stop_token_ids)
+            return LookupDrafter(committed, lookup, request.stop_token_ids, limit)
         if self.inner_draft is None:  # a misconfiguration costs speed, never the request
             if not self._warned_no_inner_draft:
                 self._warned_no_inner_draft = True
@@ -232,7 +235,7 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
                             "(--inner-draft): decoding plainly")
             return None
         return ModelDrafter(self.inner_draft, self.draft_batcher, self.executor, session_id, state.params,
-                            committed, model, request.stop_token_ids)
+                            committed, model, request.stop_token_ids, limit)
 
     def _draft_limit(self, session_id: str) -> int | None:
         """What a draft of this session would have kept in its latest step (goodput.py), if known.

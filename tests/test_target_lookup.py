@@ -28,6 +28,7 @@ from specdec.models.loader import load_model
 from specdec.sampling.params import SamplingMode, SamplingParams
 from specdec.sampling.warp import warp_logits
 from specdec.server.executor import ModelExecutor
+from specdec.types import VerifyOutcome
 
 import batching_helpers
 from batching_helpers import CONTEXT, one_thread, tiny_dir  # noqa: F401 (module fixtures)
@@ -97,6 +98,22 @@ def test_a_lookup_draft_stops_before_a_stop_token_and_at_its_room():
     assert index.draft(0).num_tokens == 0
     index.sync([1, 2, 3])  # not a continuation of what it indexed: indexed afresh
     assert index.draft(4).num_tokens == 0  # nothing repeats: no draft
+
+
+async def test_a_drafter_drafts_no_more_than_the_trimming_would_verify():
+    """Under load the target's trimmer says what it would verify for a session (draft_limits after a
+    plain step, the kept length after a trimmed verify): the drafter drafts no more than that."""
+    tokens = [5, 6, 7, 8, 9, 5, 6]
+    limit = {"now": None}
+    drafter = LookupDrafter(lambda: tokens, 4, limit=lambda: limit["now"])
+    assert (await drafter.draft(10))[0].token_ids.tolist() == [7, 8, 9, 5]  # no limit known: all 4
+    drafter.verified(4, VerifyOutcome(7, 2, 1, 0))  # the trimmer kept 2 of the 4
+    assert (await drafter.draft(10))[0].num_tokens == 2
+    drafter.verified(2, VerifyOutcome(7, 2, 2, 0))  # not trimmed: the limit applies again
+    limit["now"] = 0  # after a plain step: a draft would be cut entirely
+    assert (await drafter.draft(10))[0].num_tokens == 0
+    limit["now"] = 3
+    assert (await drafter.draft(2))[0].num_tokens == 2  # and never past the room
 
 
 @pytest.mark.parametrize("params", [GREEDY, GUMBEL], ids=["greedy", "gumbel"])

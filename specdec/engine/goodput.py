@@ -9,15 +9,19 @@ whole batch and what each forward costs. So before each batched step the trimmer
 draft to the prefix that maximises the batch's expected committed tokens per second (goodput, as in
 SmartSpec, Liu et al. 2024):
 
-    goodput = sum_i E_i(d_i) / T(sum of tokens fed),   E_i(d) = 1 + a_i + a_i^2 + ... + a_i^d
+    goodput = sum_i E_i(d_i) / T(B x W),   E_i(d) = 1 + a_i + a_i^2 + ... + a_i^d
 
 E_i is Leviathan et al. (2023, sec. 3.1) with a_i the acceptance rate measured on session i's own
-verifies, and T(n) = alpha + beta * n the step time, fitted online to the measured steps. Drafted
-token j of session i adds a_i^j expected tokens for beta seconds, so tokens are taken greedily by
-a_i^j while that raises the goodput. Verifying a prefix of a draft is verifying a shorter draft, so
-the output is unchanged. The outcome's num_drafted says how many tokens were verified, so the
-coordinator's adaptive draft length sees the trimmed length and its cost, and shrinks k or stops
-drafting by itself (plain decoding while every drafted token is cut).
+verifies. A batched step pads every row to its widest row, W tokens (the native backend, and the
+CUDA graphs' shapes), so the step costs T(B x W) = alpha + beta * B * W, fitted online to the
+measured steps: one row drafting k tokens makes all B rows k wider, and rows drafting less than
+the widest one ride along for free. So the trimmer picks the step's width W (every draft cut to
+W - 1 tokens) with the best goodput. (Until 2026-11-26 it counted the tokens fed, unpadded, and
+let a lone row's draft through as if it cost its own tokens only: on 2 CPU cores at 4 sessions,
+speculation under load measured 2-20% below plain decoding.) Verifying a prefix of a draft is
+verifying a shorter draft, so the output is unchanged. The outcome's num_drafted says how many
+tokens were verified, so the coordinator's adaptive draft length sees the trimmed length and its
+cost, and shrinks k or stops drafting by itself (plain decoding while every drafted token is cut).
 
 The trimmer also tells each session that decodes plainly how many drafted tokens this step would
 have verified for it (draft_limits: its row as a verify of up to ADMISSION_PROBE_TOKENS at its own
@@ -116,48 +120,48 @@ class DraftTrimmer:
         if fit is None or len(works) < 2:  # no cost measured yet, or no one else in the step
             self.draft_limits = {}  # nothing known: the coordinators probe as they see fit
             return list(works)
+        rows = [_RowSpec(*_base_and_draft(w), self.acceptance(w.session_id)) for w in works]
         alpha, beta = fit
-        plain_gain = float(len(works))  # every row commits one token: decoded, recovered or bonus
-        plain_tokens = sum(1 + len(w.append_token_ids) if isinstance(w, DecodeWork) else 1 for w in works)
-        candidates = []  # (a_i^j, work index): what drafted token j of row i is expected to add
-        for index, work in enumerate(works):
-            if isinstance(work, VerifyWork):
-                a = self.acceptance(work.session_id)
-                candidates += [(a ** j, index) for j in range(1, work.draft.num_tokens + 1)]
-        plain = (plain_gain, plain_tokens)
-        keep, gain, tokens = self._admit(candidates, len(works), alpha, beta, plain_gain, plain_tokens, plain)
+        widest = max(max(r.base + r.draft for r in rows), 1 + ADMISSION_PROBE_TOKENS)
+        totals = [sum(r.gain(width) for r in rows) for width in range(widest + 1)]  # by step width
+        bases = sorted((r.base for r in rows), reverse=True)
+        width = self._width(len(rows), bases[0], totals, alpha, beta)
         limits = {}
-        for work in works:
-            if isinstance(work, DecodeWork):
-                a = self.acceptance(work.session_id)
-                probe = [(a ** j, 0) for j in range(1, ADMISSION_PROBE_TOKENS + 1)]
-                limits[work.session_id] = self._admit(probe, 1, alpha, beta, gain, tokens, plain)[0][0]
+        for index, work in enumerate(works):
+            if isinstance(work, DecodeWork):  # what this row would keep as a verify of the probe's size
+                row, probe = rows[index], _RowSpec(1, ADMISSION_PROBE_TOKENS, rows[index].acceptance)
+                others_base = bases[1] if row.base == bases[0] else bases[0]
+                swapped = [total - row.gain(w) + probe.gain(w) for w, total in enumerate(totals)]
+                probe_width = self._width(len(rows), max(others_base, 1), swapped, alpha, beta)
+                limits[work.session_id] = max(0, min(probe.draft, probe_width - probe.base))
         self.draft_limits = limits
-        return [self._cut(work, keep[i]) if isinstance(work, VerifyWork) else work
-                for i, work in enumerate(works)]
+        return [self._cut(work, max(0, min(rows[i].draft, width - rows[i].base))) if isinstance(work, VerifyWork)
+                else work for i, work in enumerate(works)]
 
-    def _admit(self, candidates: list[tuple[float, int]], num_rows: int, alpha: float, beta: float, gain: float,
-               tokens: int, plain: tuple[float, int]) -> tuple[list[int], float, int]:
-        """Drafted tokens kept per row (candidates: (a_i^j, row)), greedily by expected gain, on top of
-        a step of `tokens` fed and `gain` expected; then the step's gain and tokens. All cut unless
-        the step beats plain decoding (plain: the all-plain step's gain and tokens) by the margin."""
-        plain_goodput = plain[0] / (alpha + beta * plain[1])
-        start, keep = (gain, tokens), [0] * num_rows
-        for value, index in sorted(candidates, reverse=True):
-            # (gain + value) / T(tokens + 1) > gain / T(tokens)  <=>  value * T(tokens) > gain * beta
-            if value * (alpha + beta * tokens) <= gain * beta:
-                break
-            gain, tokens = gain + value, tokens + 1
-            keep[index] += 1  # a row's values fall with j, so its kept tokens are a prefix
-        if gain / (alpha + beta * tokens) < (1.0 + self.margin) * plain_goodput:
-            return [0] * num_rows, *start  # not worth what the step cost does not show: decode plainly
-        return keep, gain, tokens
+    def _width(self, num_rows: int, plain_width: int, gains: list[float], alpha: float, beta: float) -> int:
+        """The step's width (padded tokens per row) with the best goodput, given the rows' summed
+        expected tokens by width; plain_width (no drafted tokens) unless a wider step beats plain
+        decoding by the margin.
+
+        A batched step pads every row to the widest (the native backend and the CUDA graphs alike),
+        so it costs T(rows x width) whatever the rows hold: widening the step is what costs, and a
+        row's drafted tokens up to the width are free."""
+        plain = num_rows / (alpha + beta * num_rows * plain_width)
+        best_width, best = plain_width, plain
+        for width in range(plain_width + 1, len(gains)):
+            goodput = gains[width] / (alpha + beta * num_rows * width)
+            if goodput > best:
+                best_width, best = width, goodput
+        if best < (1.0 + self.margin) * plain:
+            return plain_width  # not worth what the step cost does not show: decode plainly
+        return best_width
 
     def observe(self, works: Sequence[Work], results: Sequence[Result], seconds: float) -> None:
-        """After a step: its cost, and the acceptance seen by each verified draft."""
-        tokens = sum(1 + len(w.append_token_ids) if isinstance(w, DecodeWork) else 1 + w.draft.num_tokens
-                     for w in works)
-        self.cost.observe(tokens, seconds)
+        """After a step: its cost (against its padded size, rows x the widest row), and the
+        acceptance seen by each verified draft."""
+        widths = [base + draft for base, draft in map(_base_and_draft, works) if base + draft > 0]
+        if widths:
+            self.cost.observe(len(widths) * max(widths), seconds)
         for work, result in zip(works, results):
             if isinstance(work, VerifyWork) and isinstance(result, VerifyOutcome) and result.num_drafted:
                 stats = self._stats(work.session_id)
@@ -179,6 +183,31 @@ class DraftTrimmer:
                 self._sessions.popitem(last=False)
         self._sessions.move_to_end(session_id)
         return stats
+
+
+@dataclass(frozen=True)
+class _RowSpec:
+    """A row of a step as the trimmer plans it: its width without drafted tokens, the most it may
+    draft, and its session's acceptance rate."""
+
+    base: int
+    draft: int
+    acceptance: float
+
+    def gain(self, width: int) -> float:
+        """Expected tokens the row commits in a step `width` wide: 1 + a + ... + a^d, with d the
+        drafted tokens that fit (Leviathan et al. 2023, sec. 3.1)."""
+        kept = max(0, min(self.draft, width - self.base))
+        a = self.acceptance
+        return kept + 1.0 if a >= 1.0 else (1.0 - a ** (kept + 1)) / (1.0 - a)
+
+
+def _base_and_draft(work: Work) -> tuple[int, int]:
+    """(tokens the work feeds besides drafted ones, its drafted tokens): a verify feeds the token its
+    first drafted one follows; a decode its appended tokens and the one it samples (none: no row)."""
+    if isinstance(work, VerifyWork):
+        return 1, work.draft.num_tokens
+    return len(work.append_token_ids) + work.num_tokens, 0
 
 
 def prefix(draft: DraftBlock, length: int) -> DraftBlock:

@@ -81,6 +81,7 @@ async def decode_step_stream(
         outcome = None
         if draft is not None and draft.num_tokens:
             outcome, cost = await batcher.submit_timed(VerifyWork(session_id, position, draft))
+            drafter.verified(draft.num_tokens, outcome)
             tokens = draft.token_ids[: outcome.num_accepted].tolist() + [outcome.next_token]
         else:
             tokens, cost = await batcher.submit_timed(DecodeWork(session_id, position, num_tokens=1, room=left))
