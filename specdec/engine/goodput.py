@@ -123,7 +123,10 @@ class DraftTrimmer:
         rows = [_RowSpec(*_base_and_draft(w), self.acceptance(w.session_id)) for w in works]
         alpha, beta = fit
         widest = max(max(r.base + r.draft for r in rows), 1 + ADMISSION_PROBE_TOKENS)
-        totals = [sum(r.gain(width) for r in rows) for width in range(widest + 1)]  # by step width
+        totals = [0.0] * (widest + 1)  # the rows' expected tokens by step width
+        for row in rows:
+            for width, gain in enumerate(row.gains(widest)):
+                totals[width] += gain
         bases = sorted((r.base for r in rows), reverse=True)
         width = self._width(len(rows), bases[0], totals, alpha, beta)
         limits = {}
@@ -131,7 +134,8 @@ class DraftTrimmer:
             if isinstance(work, DecodeWork):  # what this row would keep as a verify of the probe's size
                 row, probe = rows[index], _RowSpec(1, ADMISSION_PROBE_TOKENS, rows[index].acceptance)
                 others_base = bases[1] if row.base == bases[0] else bases[0]
-                swapped = [total - row.gain(w) + probe.gain(w) for w, total in enumerate(totals)]
+                # A decode row gains 1 at any width: swap that for the probe's gains.
+                swapped = [total - 1.0 + gain for total, gain in zip(totals, probe.gains(widest))]
                 probe_width = self._width(len(rows), max(others_base, 1), swapped, alpha, beta)
                 limits[work.session_id] = max(0, min(probe.draft, probe_width - probe.base))
         self.draft_limits = limits
@@ -194,12 +198,16 @@ class _RowSpec:
     draft: int
     acceptance: float
 
-    def gain(self, width: int) -> float:
-        """Expected tokens the row commits in a step `width` wide: 1 + a + ... + a^d, with d the
-        drafted tokens that fit (Leviathan et al. 2023, sec. 3.1)."""
-        kept = max(0, min(self.draft, width - self.base))
-        a = self.acceptance
-        return kept + 1.0 if a >= 1.0 else (1.0 - a ** (kept + 1)) / (1.0 - a)
+    def gains(self, widest: int) -> list[float]:
+        """Expected tokens the row commits in a step of each width 0..widest: 1 + a + ... + a^d, with
+        d the drafted tokens that fit (Leviathan et al. 2023, sec. 3.1)."""
+        out, gain, term = [], 1.0, 1.0
+        for width in range(widest + 1):
+            if self.base < width <= self.base + self.draft:  # one more drafted token fits
+                term *= self.acceptance
+                gain += term
+            out.append(gain)
+        return out
 
 
 def _base_and_draft(work: Work) -> tuple[int, int]:
