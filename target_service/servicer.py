@@ -38,8 +38,7 @@ from specdec.engine.goodput import DraftTrimmer, run_trimmed_batch
 from specdec.engine.batcher import Batcher, StepTiming
 from specdec.engine.target import TargetEngine
 from specdec.engine.draft import DraftEngine
-from specdec.engine.draft_batch import run_propose_batch
-from specdec.engine.inner_draft import Drafter, LookupDrafter, ModelDrafter
+from specdec.engine.inner_draft import Drafter, InnerDraftResult, LookupDrafter, ModelDrafter, run_inner_step
 from specdec.engine.target_stream import decode_step_stream, decode_steps
 from specdec.errors import InvalidArgument
 from specdec.observability.metrics import TargetMetrics
@@ -81,11 +80,6 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
     ):
         self.engine = engine
         self.executor = executor
-        # The draft model this service hosts (--inner-draft) for DecodeStream's model_draft_tokens: its
-        # Propose work of concurrent streams is batched, on the same model thread as the target's steps.
-        self.inner_draft = inner_draft
-        self.draft_batcher = None if inner_draft is None else Batcher(
-            executor, functools.partial(run_propose_batch, inner_draft), max_batch_size=batching.max_batch_size)
         self._warned_no_inner_draft = False
         self.metrics = metrics
         self.tokenizer = tokenizer
@@ -96,6 +90,11 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
         self.trimmer = DraftTrimmer(margin=trim_margin) if trim_drafts else None
         step = functools.partial(run_trimmed_batch, engine, self.trimmer) if trim_drafts \
             else functools.partial(run_target_batch, engine)
+        # The draft model this service hosts (--inner-draft) for DecodeStream's model_draft_tokens: its
+        # drafts are made inside the batched step, before the verify forward (run_inner_step).
+        self.inner_draft = inner_draft
+        if inner_draft is not None:
+            step = functools.partial(run_inner_step, engine, self.trimmer, inner_draft)
         self.batcher = Batcher(executor, step,
                                max_batch_size=batching.max_batch_size, batch_wait_s=batching.batch_wait_s,
                                gather=batching.gather, on_step=self._observe_batch)
@@ -234,8 +233,7 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
                 log.warning("DecodeStream asked for model_draft_tokens but this target hosts no draft model "
                             "(--inner-draft): decoding plainly")
             return None
-        return ModelDrafter(self.inner_draft, self.draft_batcher, self.executor, session_id, state.params,
-                            committed, model, request.stop_token_ids, limit)
+        return ModelDrafter(state.params, committed, model, request.stop_token_ids, limit)
 
     def _draft_limit(self, session_id: str) -> int | None:
         """What a draft of this session would have kept in its latest step (goodput.py), if known.
@@ -275,15 +273,11 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
         for session_id in ended:
             self.end_stream(session_id)
             self.batcher.forget(session_id)
-            if self.draft_batcher is not None:
-                self.draft_batcher.forget(session_id)
         if self.inner_draft is not None and ended:  # the hosted draft's sessions end with the target's
             asyncio.ensure_future(self.executor.run(_end_all, self.inner_draft, ended))
 
     async def aclose(self) -> None:
         await self.batcher.aclose()
-        if self.draft_batcher is not None:
-            await self.draft_batcher.aclose()
 
     # ---- internals ---------------------------------------------------------------------------
 
@@ -302,7 +296,8 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
         """After each batched step: its duration, rows and tokens, labelled verify, decode or mixed;
         the rows of the latest step as the current load (the coordinator's adaptive draft length
         sees the same load as longer verify times)."""
-        verify_tokens = sum(w.draft.num_tokens + 1 for w in works if isinstance(w, VerifyWork))
+        verify_tokens = sum(w.draft.num_tokens + 1 for w in works if isinstance(w, VerifyWork)) + sum(
+            r.outcome.num_drafted + 1 for r in results if isinstance(r, InnerDraftResult))  # drafted in the step
         decode_tokens = sum(len(w.append_token_ids) + w.num_tokens for w in works if isinstance(w, DecodeWork))
         step = "mixed" if verify_tokens and decode_tokens else "verify" if verify_tokens else "decode"
         self.metrics.step_latency.labels(step).observe(seconds)

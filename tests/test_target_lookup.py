@@ -1,8 +1,9 @@
-"""Prompt lookup inside the target (DecodeStream's lookup_draft_tokens), in process: the streamed
-steps draft from the session's own tokens and verify in the batched step; the output is plain
-decoding's token for token (greedy, and Gumbel-coupled sampling), its distribution plain sampling's
-(a chi-square test against the exact distribution on an 8-token vocabulary), it keeps the budget,
-ends right after a stop token, and the goodput trimmer may cut its drafts without changing it.
+"""Drafts made inside the target (DecodeStream's lookup_draft_tokens and model_draft_tokens), in
+process: the streamed steps draft from the session's own tokens (or the hosted draft model, inside
+the batched step) and verify in that step; the output is plain decoding's token for token (greedy,
+and Gumbel-coupled sampling), its distribution plain sampling's (a chi-square test against the exact
+distribution on an 8-token vocabulary), it keeps the budget, ends right after a stop token, and the
+goodput trimmer may cut its drafts without changing it.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ from specdec.engine.batch import run_target_batch
 from specdec.engine.batcher import Batcher
 from specdec.engine.goodput import DraftTrimmer, run_trimmed_batch
 from specdec.engine.target import TargetEngine
-from specdec.engine.inner_draft import LookupDrafter
+from specdec.engine.draft import DraftEngine
+from specdec.engine.inner_draft import InnerDraftWork, LookupDrafter, ModelDrafter, run_inner_step
 from specdec.engine.target_lookup import LookupIndex
+from specdec.proposers.draft_model import DraftModelProposer
 from specdec.proposers.ngram import NgramProposer
 from specdec.engine.target_stream import decode_step_stream
 from specdec.models.loader import load_model
@@ -100,20 +103,22 @@ def test_a_lookup_draft_stops_before_a_stop_token_and_at_its_room():
     assert index.draft(4).num_tokens == 0  # nothing repeats: no draft
 
 
-async def test_a_drafter_drafts_no_more_than_the_trimming_would_verify():
+def test_a_drafter_drafts_no_more_than_the_trimming_would_verify():
     """Under load the target's trimmer says what it would verify for a session (draft_limits after a
     plain step, the kept length after a trimmed verify): the drafter drafts no more than that."""
     tokens = [5, 6, 7, 8, 9, 5, 6]
     limit = {"now": None}
     drafter = LookupDrafter(lambda: tokens, 4, limit=lambda: limit["now"])
-    assert (await drafter.draft(10))[0].token_ids.tolist() == [7, 8, 9, 5]  # no limit known: all 4
-    drafter.verified(4, VerifyOutcome(7, 2, 1, 0))  # the trimmer kept 2 of the 4
-    assert (await drafter.draft(10))[0].num_tokens == 2
-    drafter.verified(2, VerifyOutcome(7, 2, 2, 0))  # not trimmed: the limit applies again
+    work = drafter.work("s", 7, 10)
+    assert work.draft.token_ids.tolist() == [7, 8, 9, 5]  # no limit known: all 4
+    drafter.verified(work, VerifyOutcome(7, 2, 1, 0))  # the trimmer kept 2 of the 4
+    work = drafter.work("s", 7, 10)
+    assert work.draft.num_tokens == 2
+    drafter.verified(work, VerifyOutcome(7, 2, 2, 0))  # not trimmed: the limit applies again
     limit["now"] = 0  # after a plain step: a draft would be cut entirely
-    assert (await drafter.draft(10))[0].num_tokens == 0
+    assert drafter.work("s", 7, 10) is None  # a plain step
     limit["now"] = 3
-    assert (await drafter.draft(2))[0].num_tokens == 2  # and never past the room
+    assert drafter.work("s", 7, 2).draft.num_tokens == 2  # and never past the room
 
 
 @pytest.mark.parametrize("params", [GREEDY, GUMBEL], ids=["greedy", "gumbel"])
@@ -149,6 +154,40 @@ async def test_a_lookup_stream_keeps_its_budget_and_ends_right_after_a_stop_toke
     cut = reference.index(stop, 1) + 1
     assert tokens == reference[:cut] and engine.committed_tokens("stop") == prompt + tokens
     assert all(stop not in s.tokens[:-1] for s in steps)  # a stop token only ever ends a step
+
+
+@pytest.mark.parametrize("params", [GREEDY, GUMBEL], ids=["greedy", "gumbel"])
+def test_concurrent_streams_drafted_by_a_hosted_model_are_plain_decoding(tiny_dir, params):
+    """model_draft_tokens in process: every stream's draft is made inside the batched step, the rows
+    of a step drafted in one pass (run_inner_step); the target as its own draft, so drafts are
+    accepted and steps carry several tokens; the output is plain decoding's token for token."""
+    engine = batching_helpers.target_engine(tiny_dir, 8)
+    drafts = DraftEngine(DraftModelProposer(load_model(tiny_dir, backend="native", num_slots=8, max_context=CONTEXT)))
+    executor = ModelExecutor("test-inner")
+    inner_rows = []
+    batcher = Batcher(executor, functools.partial(run_inner_step, engine, DraftTrimmer(), drafts),
+                      on_step=lambda works, results, s: inner_rows.append(sum(isinstance(w, InnerDraftWork)
+                                                                              for w in works)))
+
+    async def stream(session_id: str, prompt: list[int]):
+        _, first = engine.start_session(session_id, prompt, params)
+        drafter = ModelDrafter(params, lambda: engine.sessions.peek(session_id).tokens, 3)
+        steps = [s async for s in decode_step_stream(batcher, session_id, len(prompt) + 1, 29, drafter=drafter)]
+        return [first] + [t for s in steps for t in s.tokens], steps
+
+    async def main():
+        try:
+            return await asyncio.gather(*(stream(f"m{i}", p) for i, p in enumerate(PROMPTS)))
+        finally:
+            await batcher.aclose()
+
+    got = asyncio.run(main())
+    executor.shutdown(wait=False)
+    for prompt, (tokens, steps) in zip(PROMPTS, got):
+        assert tokens == plain(tiny_dir, prompt, params, 30)
+        assert sum(s.outcome.num_accepted for s in steps if s.outcome) > 0 and len(steps) < 29
+        assert all(s.draft_cost.model_ns > 0 for s in steps if s.outcome)  # drafting is reported apart
+    assert max(inner_rows) > 1  # sessions drafted together, in one step
 
 
 def test_trimmed_lookup_drafts_change_nothing(tiny_dir):

@@ -116,10 +116,17 @@ class DraftTrimmer:
 
         A lone session is left alone: its drafted tokens slow down no one else, and the coordinator's
         adaptive draft length already weighs them against its own measured costs."""
+        kept = self.plan(works)
+        return [self._cut(work, keep) if isinstance(work, VerifyWork) else work for work, keep in zip(works, kept)]
+
+    def plan(self, works: Sequence[Work]) -> list[int]:
+        """The drafted tokens trim would keep of each work (0 for a decode), and the draft_limits of
+        the plain rows. A draft made on the target itself (specdec.engine.inner_draft) is planned on
+        a stand-in verify of its longest length before it is drafted, so no cut token is drafted."""
         fit = self.cost.fit()
         if fit is None or len(works) < 2:  # no cost measured yet, or no one else in the step
             self.draft_limits = {}  # nothing known: the coordinators probe as they see fit
-            return list(works)
+            return [_base_and_draft(w)[1] for w in works]
         rows = [_RowSpec(*_base_and_draft(w), self.acceptance(w.session_id)) for w in works]
         alpha, beta = fit
         widest = max(max(r.base + r.draft for r in rows), 1 + ADMISSION_PROBE_TOKENS)
@@ -139,8 +146,7 @@ class DraftTrimmer:
                 probe_width = self._width(len(rows), max(others_base, 1), swapped, alpha, beta)
                 limits[work.session_id] = max(0, min(probe.draft, probe_width - probe.base))
         self.draft_limits = limits
-        return [self._cut(work, max(0, min(rows[i].draft, width - rows[i].base))) if isinstance(work, VerifyWork)
-                else work for i, work in enumerate(works)]
+        return [max(0, min(row.draft, width - row.base)) for row in rows]
 
     def _width(self, num_rows: int, plain_width: int, gains: list[float], alpha: float, beta: float) -> int:
         """The step's width (padded tokens per row) with the best goodput, given the rows' summed

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Collection, Sequence
 
-from specdec.engine.batch import DecodeWork, VerifyWork
+from specdec.engine.batch import DecodeWork
 from specdec.engine.batcher import Batcher, StepTiming
 from specdec.types import VerifyOutcome
 
@@ -77,11 +77,13 @@ async def decode_step_stream(
     position += len(first.append_token_ids) + generated
     while generated < num_tokens and tokens[-1] not in stop:
         left = num_tokens - generated
-        draft, draft_cost = await drafter.draft(left - 1) if drafter is not None and left > 1 else (None, None)
-        outcome = None
-        if draft is not None and draft.num_tokens:
-            outcome, cost = await batcher.submit_timed(VerifyWork(session_id, position, draft))
-            drafter.verified(draft.num_tokens, outcome)
+        work = drafter.work(session_id, position, left - 1) if drafter is not None and left > 1 else None
+        outcome = draft_cost = None
+        if work is not None:
+            result, cost = await batcher.submit_timed(work)
+            outcome, draft, draft_cost = drafter.verified(work, result)
+            if draft_cost is not None:  # drafting ran inside the step: its time is the draft's, not the target's
+                cost = StepTiming(max(0, cost.model_ns - draft_cost.model_ns), cost.queued_ns)
             tokens = draft.token_ids[: outcome.num_accepted].tolist() + [outcome.next_token]
         else:
             tokens, cost = await batcher.submit_timed(DecodeWork(session_id, position, num_tokens=1, room=left))
