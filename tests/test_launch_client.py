@@ -45,18 +45,21 @@ def models(tmp_path_factory):
     return tiny_model_dir(base, "target", seed=0), tiny_model_dir(base, "draft-random", seed=1)
 
 
-def test_launch_with_prompt_prints_the_plain_decoding_answer(models):
+@pytest.mark.parametrize("placement", ["service", "target"])
+def test_launch_with_prompt_prints_the_plain_decoding_answer(models, placement):
+    """The draft model as a service of its own, or hosted by the target (--draft-placement target)."""
     target, draft = models
     result = subprocess.run(
         specdec_cmd("launch", "--target", str(target), "--draft", str(draft), "--port", "0",
-                    "--prompt", PROMPT, "--max-new-tokens", "24", "--json"),
+                    "--draft-placement", placement, "--prompt", PROMPT, "--max-new-tokens", "24", "--json"),
         cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     answer = json.loads(result.stdout[result.stdout.index("{"):])
     prompt_ids = encode_prompt(load_tokenizer(target), PROMPT)
     assert answer["token_ids"] == plain_greedy(target, prompt_ids, 24)
-    assert answer["stats"]["proposer"] == "draft-model" and answer["stats"]["cycles"] > 0
+    proposer = {"service": "draft-model", "target": "draft-model-target"}[placement]
+    assert answer["stats"]["proposer"] == proposer and answer["stats"]["cycles"] > 0
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,10 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--draft", default=None,
                         help="'ngram', 'none' (plain decoding), a registry name or an HF directory "
                              "(default: the packaged draft if present, else ngram)")
+    parser.add_argument("--draft-placement", choices=["service", "target"], default="service",
+                        help="service: a draft service of its own (Propose and Verify calls per cycle); target: "
+                             "the target drafts inside its decode stream (it hosts the draft model, or looks "
+                             "n-grams up), no draft service and no round trip per cycle (DEPLOYMENT.md)")
     parser.add_argument("--redis-url", help="use this Redis instead of starting an embedded one")
     parser.add_argument("--port", type=int, default=50051, help="the coordinator's port")
     parser.add_argument("--backend", choices=["native", "hf", "auto"], default="native")
@@ -76,10 +80,13 @@ def run(args: argparse.Namespace) -> int:
         if not redis_url:
             redis_url = stack.enter_context(EmbeddedRedis()).url
         log.info("redis at %s; logs in %s", redis_url.split("@")[-1], log_dir)
-        target = launch("target_service", ["--host", "127.0.0.1", "--plaintext", "--model", str(target_dir),
-                                           *model_args(args)], log_dir=log_dir)
+        inner = args.draft_placement == "target" and draft != "none"
+        target_cli = ["--host", "127.0.0.1", "--plaintext", "--model", str(target_dir), *model_args(args)]
+        if inner and draft != "ngram":  # the target hosts the draft model
+            target_cli += ["--inner-draft", str(resolve_model(draft))]
+        target = launch("target_service", target_cli, log_dir=log_dir)
         services = [target]
-        draft_cli = draft_args(draft, args, target_dir)
+        draft_cli = None if inner else draft_args(draft, args, target_dir)
         draft_proc = launch("draft_service", draft_cli, log_dir=log_dir) if draft_cli else None
         services += [draft_proc] if draft_proc else []
         stack.callback(stop_all, *services)
@@ -91,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
                            "--pipeline-branches", str(args.pipeline_branches)]
         if draft_proc:
             coordinator_cli += ["--draft", draft_proc.address]
+        elif inner:
+            coordinator_cli += ["--draft", "target:ngram" if draft == "ngram" else "target:model"]
         else:
             coordinator_cli += ["--default-pool", "baseline"]
         coordinator = launch("coordinator", coordinator_cli, log_dir=log_dir)
@@ -98,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         stack.callback(stop_all, coordinator)
         wait_all(coordinator, timeout_s=120)
         log.info("coordinator %s | target %s | draft %s (%s)", coordinator.address, target.address,
-                 draft_proc.address if draft_proc else "-", draft)
+                 draft_proc.address if draft_proc else "inside the target" if inner else "-", draft)
         if args.prompt is None:
             return wait_for_signal()
         return ask(coordinator.address, args)
