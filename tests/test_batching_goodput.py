@@ -89,6 +89,21 @@ def test_under_load_low_acceptance_drafts_are_dropped_and_free_tokens_are_kept()
     assert DraftTrimmer().trim(pair)[0].draft.num_tokens == 4  # no cost measured yet
 
 
+def test_drafts_made_on_the_target_pay_for_the_draft_passes_too():
+    """A target hosting the draft model runs width - 1 draft steps before the forward: with draft
+    steps as dear as a tenth of the target's, rows drafting there get narrower plans."""
+    trimmer = trimmer_with_cost()
+    teach(trimmer, "a", 3, 4)
+    teach(trimmer, "b", 3, 4)
+    rows = [verify("a", 6), verify("b", 6)]
+    free = trimmer.plan(rows, drafting_here=True)  # no draft pass measured yet: as a draft service's
+    assert free == trimmer.plan(rows) and free[0] > 0
+    trimmer.observe_draft(steps=4, seconds=4 * 0.012)
+    assert trimmer.draft_step_s == pytest.approx(0.012)
+    assert trimmer.plan(rows) == free  # drafts made elsewhere cost this step nothing
+    assert trimmer.plan(rows, drafting_here=True)[0] < free[0]
+
+
 def test_speculation_that_barely_pays_in_the_step_is_cut_by_the_margin():
     """With a margin (the target's --trim-margin 0.2), drafts pass only if they raise the step's
     modelled goodput by 20%: a drafted row also costs its session a draft round trip the step cost

@@ -99,6 +99,10 @@ class DraftTrimmer:
         self.margin = margin
         self.max_sessions = max_sessions
         self.cost = StepCost()
+        # Seconds per step of the draft model the target hosts (specdec.engine.inner_draft), averaged
+        # over its draft passes; None until one ran. A step whose rows draft there runs width - 1 such
+        # steps on the same thread before its forward: part of what widening the step costs.
+        self.draft_step_s: float | None = None
         self.trimmed_tokens = 0  # drafted tokens left unverified so far (a metric)
         self._sessions: OrderedDict[str, _Acceptance] = OrderedDict()  # least recently seen first
         # Session -> drafted tokens the last step would have verified for its plain row (see the
@@ -119,10 +123,11 @@ class DraftTrimmer:
         kept = self.plan(works)
         return [self._cut(work, keep) if isinstance(work, VerifyWork) else work for work, keep in zip(works, kept)]
 
-    def plan(self, works: Sequence[Work]) -> list[int]:
+    def plan(self, works: Sequence[Work], drafting_here: bool = False) -> list[int]:
         """The drafted tokens trim would keep of each work (0 for a decode), and the draft_limits of
         the plain rows. A draft made on the target itself (specdec.engine.inner_draft) is planned on
-        a stand-in verify of its longest length before it is drafted, so no cut token is drafted."""
+        a stand-in verify of its longest length before it is drafted, so no cut token is drafted;
+        drafting_here: some rows draft with the hosted draft model, whose passes the width pays."""
         fit = self.cost.fit()
         if fit is None or len(works) < 2:  # no cost measured yet, or no one else in the step
             self.draft_limits = {}  # nothing known: the coordinators probe as they see fit
@@ -135,7 +140,11 @@ class DraftTrimmer:
             for width, gain in enumerate(row.gains(widest)):
                 totals[width] += gain
         bases = sorted((r.base for r in rows), reverse=True)
-        width = self._width(len(rows), bases[0], totals, alpha, beta)
+        # The hosted draft's passes: width - 1 draft steps before the forward, for rows drafting here
+        # (and for the plain rows' probes, once this target has drafted: its sessions draft here).
+        step = self.draft_step_s or 0.0
+        drafting = [max(0, width - 1) * step for width in range(widest + 1)]
+        width = self._width(len(rows), bases[0], totals, alpha, beta, drafting if drafting_here else None)
         limits = {}
         for index, work in enumerate(works):
             if isinstance(work, DecodeWork):  # what this row would keep as a verify of the probe's size
@@ -143,28 +152,38 @@ class DraftTrimmer:
                 others_base = bases[1] if row.base == bases[0] else bases[0]
                 # A decode row gains 1 at any width: swap that for the probe's gains.
                 swapped = [total - 1.0 + gain for total, gain in zip(totals, probe.gains(widest))]
-                probe_width = self._width(len(rows), max(others_base, 1), swapped, alpha, beta)
+                probe_width = self._width(len(rows), max(others_base, 1), swapped, alpha, beta, drafting)
                 limits[work.session_id] = max(0, min(probe.draft, probe_width - probe.base))
         self.draft_limits = limits
         return [max(0, min(row.draft, width - row.base)) for row in rows]
 
-    def _width(self, num_rows: int, plain_width: int, gains: list[float], alpha: float, beta: float) -> int:
+    def _width(self, num_rows: int, plain_width: int, gains: list[float], alpha: float, beta: float,
+               drafting: list[float] | None = None) -> int:
         """The step's width (padded tokens per row) with the best goodput, given the rows' summed
         expected tokens by width; plain_width (no drafted tokens) unless a wider step beats plain
         decoding by the margin.
 
         A batched step pads every row to the widest (the native backend and the CUDA graphs alike),
         so it costs T(rows x width) whatever the rows hold: widening the step is what costs, and a
-        row's drafted tokens up to the width are free."""
+        row's drafted tokens up to the width are free. drafting[width]: what drafting that wide costs
+        on the same thread first (the hosted draft model's passes), if anything."""
         plain = num_rows / (alpha + beta * num_rows * plain_width)
         best_width, best = plain_width, plain
         for width in range(plain_width + 1, len(gains)):
-            goodput = gains[width] / (alpha + beta * num_rows * width)
+            extra = drafting[width] if drafting else 0.0
+            goodput = gains[width] / (alpha + beta * num_rows * width + extra)
             if goodput > best:
                 best_width, best = width, goodput
         if best < (1.0 + self.margin) * plain:
             return plain_width  # not worth what the step cost does not show: decode plainly
         return best_width
+
+    def observe_draft(self, steps: int, seconds: float, decay: float = 0.9) -> None:
+        """A draft pass of the hosted draft model: `steps` draft steps (over all its rows) in `seconds`."""
+        if steps > 0:
+            per_step = seconds / steps
+            self.draft_step_s = per_step if self.draft_step_s is None else \
+                decay * self.draft_step_s + (1 - decay) * per_step
 
     def observe(self, works: Sequence[Work], results: Sequence[Result], seconds: float) -> None:
         """After a step: its cost (against its padded size, rows x the widest row), and the

@@ -164,8 +164,8 @@ def run_inner_step(target: TargetEngine, trimmer: DraftTrimmer | None, drafts: D
     started = time.perf_counter_ns()
     stand_ins = [VerifyWork(w.session_id, w.position, DraftBlock(torch.zeros(w.num_draft_tokens, dtype=torch.long)))
                  if i in inner else w for i, w in enumerate(works)]
-    planned = trimmer.plan(stand_ins) if trimmer else [w.num_draft_tokens if i in inner else 0
-                                                        for i, w in enumerate(works)]
+    planned = trimmer.plan(stand_ins, drafting_here=True) if trimmer else [
+        w.num_draft_tokens if i in inner else 0 for i, w in enumerate(works)]
     blocks: dict[int, DraftBlock] = {i: DraftBlock.empty() for i in inner}
     failed: dict[int, Exception] = {}
     proposes: list[tuple[int, ProposeWork]] = []
@@ -177,7 +177,12 @@ def run_inner_step(target: TargetEngine, trimmer: DraftTrimmer | None, drafts: D
                 proposes.append((i, ProposeWork(work.session_id, keep, append, planned[i])))
         except Exception as exc:  # noqa: BLE001 - this row's draft only
             failed[i] = exc
-    for (i, _), result in zip(proposes, run_propose_batch(drafts, [p for _, p in proposes])):
+    drafting_started = time.perf_counter_ns()
+    proposed = run_propose_batch(drafts, [p for _, p in proposes])
+    if trimmer is not None:  # what a draft step costs here, for the next steps' plans
+        trimmer.observe_draft(max((p.num_draft_tokens for _, p in proposes), default=0),
+                              (time.perf_counter_ns() - drafting_started) * 1e-9)
+    for (i, _), result in zip(proposes, proposed):
         if isinstance(result, Exception):
             failed[i] = result
             continue
