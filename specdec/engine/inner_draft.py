@@ -115,8 +115,8 @@ class InnerDraftWork:
 class InnerDraftResult:
     outcome: VerifyOutcome
     block: DraftBlock  # what was verified (before the target's trimming, which the outcome tells)
-    draft_ns: int  # the step's draft pass on the model thread (every row reports the whole pass)
-    draft_tokens: list[int]  # the draft session's tokens after this step's Propose
+    draft_ns: int  # the step's draft pass on the model thread (every row that drafted reports it whole)
+    draft_tokens: list[int] | None  # the draft session's tokens after this step's Propose; None: none ran
     failed: Exception | None = None  # the draft failed: this step verified nothing
 
 
@@ -148,7 +148,8 @@ class ModelDrafter(_TrimAware):
             log.warning("inner draft failed for session %s, decoding plainly: %r", work.session_id, result.failed)
             self.failed = True
         else:
-            self.draft_tokens, self.known = result.draft_tokens, work.position
+            if result.draft_tokens is not None:  # it drafted (else its session waits as it was)
+                self.draft_tokens, self.known = result.draft_tokens, work.position
             self._trimmed(work.num_draft_tokens, result.outcome)  # planned shorter, or trimmed: the next limit
         return result.outcome, result.block, StepTiming(model_ns=result.draft_ns)
 
@@ -171,10 +172,11 @@ def run_inner_step(target: TargetEngine, trimmer: DraftTrimmer | None, drafts: D
     proposes: list[tuple[int, ProposeWork]] = []
     for i in sorted(inner):
         work = works[i]
+        if planned[i] == 0:  # a plain step: the draft catches up on these tokens when it next drafts
+            continue
         try:
             keep, append = (work.keep, work.append) if work.open_with is None else _align(drafts, work)
-            if planned[i] > 0 or append:
-                proposes.append((i, ProposeWork(work.session_id, keep, append, planned[i])))
+            proposes.append((i, ProposeWork(work.session_id, keep, append, planned[i])))
         except Exception as exc:  # noqa: BLE001 - this row's draft only
             failed[i] = exc
     drafting_started = time.perf_counter_ns()
@@ -192,12 +194,14 @@ def run_inner_step(target: TargetEngine, trimmer: DraftTrimmer | None, drafts: D
     draft_ns = time.perf_counter_ns() - started
     verifies = [VerifyWork(w.session_id, w.position, blocks[i]) if i in inner else w for i, w in enumerate(works)]
     results = run_trimmed_batch(target, trimmer, verifies) if trimmer else run_target_batch(target, verifies)
+    drafted_rows = {i for i, _ in proposes}
     for i in inner:
         if isinstance(results[i], Exception):
             continue
-        state = drafts.sessions.peek(works[i].session_id)
-        tokens = list(state.tokens) if state is not None else []
-        results[i] = InnerDraftResult(results[i], blocks[i], draft_ns, tokens, failed.get(i))
+        state = drafts.sessions.peek(works[i].session_id) if i in drafted_rows else None
+        tokens = list(state.tokens) if state is not None else None
+        results[i] = InnerDraftResult(results[i], blocks[i], draft_ns if i in drafted_rows else 0, tokens,
+                                      failed.get(i))
     return results
 
 
