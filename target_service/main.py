@@ -13,9 +13,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from specdec.models.reduced_head import parse_head_vocab
 from specdec.server import service
 from specdec.server.settings import ConfigError, ServerSettings, add_server_arguments, server_settings_from_args
-from specdec.models.reduced_head import parse_head_vocab
 from specdec.server.tokenizer_info import tokenizer_facts
 
 log = logging.getLogger(__name__)

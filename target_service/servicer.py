@@ -28,17 +28,17 @@ draft service and no round trip per cycle.
 from __future__ import annotations
 
 import asyncio
-import logging
 import functools
+import logging
 import time
 from typing import Any, Callable, Iterable
 
 from specdec.engine.batch import DecodeWork, VerifyWork, run_target_batch
-from specdec.engine.goodput import DraftTrimmer, run_trimmed_batch
 from specdec.engine.batcher import Batcher, StepTiming
-from specdec.engine.target import TargetEngine
 from specdec.engine.draft import DraftEngine
+from specdec.engine.goodput import DraftTrimmer, run_trimmed_batch
 from specdec.engine.inner_draft import Drafter, InnerDraftResult, LookupDrafter, ModelDrafter, run_inner_step
+from specdec.engine.target import TargetEngine
 from specdec.engine.target_stream import decode_step_stream, decode_steps
 from specdec.errors import InvalidArgument
 from specdec.observability.metrics import TargetMetrics
@@ -81,6 +81,7 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
         self.engine = engine
         self.executor = executor
         self._warned_no_inner_draft = False
+        self._ending: set[asyncio.Task] = set()  # hosted draft sessions being ended (forget_sessions)
         self.metrics = metrics
         self.tokenizer = tokenizer
         self.max_draft_tokens = max_draft_tokens
@@ -274,7 +275,14 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
             self.end_stream(session_id)
             self.batcher.forget(session_id)
         if self.inner_draft is not None and ended:  # the hosted draft's sessions end with the target's
-            asyncio.ensure_future(self.executor.run(_end_all, self.inner_draft, ended))
+            task = asyncio.ensure_future(self.executor.run(_end_all, self.inner_draft, ended))
+            self._ending.add(task)  # referenced until done: the loop keeps only weak references
+            task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task) -> None:
+        self._ending.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("ending hosted draft sessions failed: %r", task.exception())
 
     async def aclose(self) -> None:
         await self.batcher.aclose()

@@ -125,9 +125,9 @@ class DraftTrimmer:
 
     def plan(self, works: Sequence[Work], drafting_here: bool = False) -> list[int]:
         """The drafted tokens trim would keep of each work (0 for a decode), and the draft_limits of
-        the plain rows. A draft made on the target itself (specdec.engine.inner_draft) is planned on
-        a stand-in verify of its longest length before it is drafted, so no cut token is drafted;
-        drafting_here: some rows draft with the hosted draft model, whose passes the width pays."""
+        the plain rows. A draft made on the target itself (specdec.engine.inner_draft.InnerDraftWork)
+        is planned as a verify of its longest length before it is drafted, so no cut token is
+        drafted; drafting_here: some rows draft with the hosted draft model, whose passes the width pays."""
         fit = self.cost.fit()
         if fit is None or len(works) < 2:  # no cost measured yet, or no one else in the step
             self.draft_limits = {}  # nothing known: the coordinators probe as they see fit
@@ -235,12 +235,15 @@ class _RowSpec:
         return out
 
 
-def _base_and_draft(work: Work) -> tuple[int, int]:
+def _base_and_draft(work) -> tuple[int, int]:
     """(tokens the work feeds besides drafted ones, its drafted tokens): a verify feeds the token its
-    first drafted one follows; a decode its appended tokens and the one it samples (none: no row)."""
+    first drafted one follows; a decode its appended tokens and the one it samples (none: no row); a
+    draft still to be made on the target (inner_draft.InnerDraftWork) is a verify of its longest length."""
     if isinstance(work, VerifyWork):
         return 1, work.draft.num_tokens
-    return len(work.append_token_ids) + work.num_tokens, 0
+    if isinstance(work, DecodeWork):
+        return len(work.append_token_ids) + work.num_tokens, 0
+    return 1, work.num_draft_tokens
 
 
 def prefix(draft: DraftBlock, length: int) -> DraftBlock:

@@ -29,8 +29,6 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Collection, Protocol, Sequence
 
-import torch
-
 from specdec.engine.batch import VerifyWork, Work, run_target_batch
 from specdec.engine.batcher import StepTiming
 from specdec.engine.draft import DraftEngine
@@ -43,9 +41,7 @@ from specdec.types import DraftBlock, VerifyOutcome
 
 log = logging.getLogger(__name__)
 
-LOOKUP = "ngram"
-MODEL = "model"
-PROPOSERS = {LOOKUP: "ngram-target", MODEL: "draft-model-target"}  # names in stats, metrics, benchmarks
+PROPOSERS = {"ngram": "ngram-target", "model": "draft-model-target"}  # InnerDraft.kind -> name in stats, metrics
 
 
 class Drafter(Protocol):
@@ -157,15 +153,13 @@ class ModelDrafter(_TrimAware):
 def run_inner_step(target: TargetEngine, trimmer: DraftTrimmer | None, drafts: DraftEngine,
                    works: Sequence[Work | InnerDraftWork]) -> list:
     """The target's batched step when it hosts a draft model: plan the inner drafts' lengths (the
-    trimmer, on stand-in verifies of their longest length), draft them in one batched pass, then
+    trimmer, each as a verify of its longest length), draft them in one batched pass, then
     verify every row in one forward (run_trimmed_batch); an inner row's result is an InnerDraftResult."""
     inner = {i for i, w in enumerate(works) if isinstance(w, InnerDraftWork)}
     if not inner:
         return run_trimmed_batch(target, trimmer, works) if trimmer else run_target_batch(target, works)
     started = time.perf_counter_ns()
-    stand_ins = [VerifyWork(w.session_id, w.position, DraftBlock(torch.zeros(w.num_draft_tokens, dtype=torch.long)))
-                 if i in inner else w for i, w in enumerate(works)]
-    planned = trimmer.plan(stand_ins, drafting_here=True) if trimmer else [
+    planned = trimmer.plan(works, drafting_here=True) if trimmer else [
         w.num_draft_tokens if i in inner else 0 for i, w in enumerate(works)]
     blocks: dict[int, DraftBlock] = {i: DraftBlock.empty() for i in inner}
     failed: dict[int, Exception] = {}

@@ -28,9 +28,6 @@ import torch
 from specdec.proposers.ngram import NgramProposer
 from specdec.types import DraftBlock
 
-LOOKUP_PROPOSER = "ngram-target"  # the proposer's name in stats, metrics and the benchmark
-
-
 class LookupIndex:
     """The n-grams (min_ngram..max_ngram tokens) of one growing sequence, each mapped to the start
     of its latest occurrence that has a continuation (a token after it)."""
