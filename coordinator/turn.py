@@ -206,10 +206,15 @@ class Turn:
 
     def _inner_draft(self) -> InnerDraft | None:
         """A speculative turn's drafts inside the target under --draft target:ngram / target:model:
-        the request's num_draft_tokens or the default (the target's trimming shortens it under load)."""
+        the request's num_draft_tokens, else an adaptive length up to --max-adaptive-draft-tokens
+        (the policy runs in the target's stream), or the default under --draft-length fixed. The
+        target's trimming shortens any of them under load."""
         if not (self.settings.inner_draft and self.plan.turn.speculate and self.draft is None):
             return None
-        return InnerDraft(self.settings.inner_draft, self.plan.turn.num_draft_tokens or self.settings.num_draft_tokens)
+        fixed = self.plan.turn.num_draft_tokens
+        if not fixed and self.settings.adaptive:
+            return InnerDraft(self.settings.inner_draft, self.settings.max_adaptive_tokens, adaptive=True)
+        return InnerDraft(self.settings.inner_draft, fixed or self.settings.num_draft_tokens)
 
     async def _emit(self, token_ids: list[int]) -> None:
         """The loop's sink: record the block (pipelined) and queue it for the stream."""

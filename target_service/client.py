@@ -143,6 +143,7 @@ class TargetClient(ServiceClient):
             if field is None:
                 raise errors.InvalidArgument(f"an inner draft is 'ngram' or 'model', got {inner_draft.kind!r}")
             setattr(request, field, inner_draft.num_tokens)
+            request.adaptive_draft_length = inner_draft.adaptive
         call = self._stub.DecodeStream(request, metadata=self.metadata or None)
         last = time.perf_counter()
         try:

@@ -215,6 +215,10 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
         if max(lookup, model) > self.max_draft_tokens:
             raise InvalidArgument(f"lookup_draft_tokens and model_draft_tokens are at most {self.max_draft_tokens} "
                                   f"(--max-draft-tokens), got {max(lookup, model)}")
+        if request.adaptive_draft_length and not (lookup or model):
+            raise InvalidArgument("adaptive_draft_length needs lookup_draft_tokens or model_draft_tokens: "
+                                  "the most tokens a step may draft")
+        adaptive = request.adaptive_draft_length
         state = self.engine.sessions.peek(session_id)
         if not (lookup or model) or state is None:  # no session: the first step says so
             return None
@@ -227,14 +231,14 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
             return self._draft_limit(session_id)
 
         if lookup:
-            return LookupDrafter(committed, lookup, request.stop_token_ids, limit)
+            return LookupDrafter(committed, lookup, request.stop_token_ids, limit, adaptive)
         if self.inner_draft is None:  # a misconfiguration costs speed, never the request
             if not self._warned_no_inner_draft:
                 self._warned_no_inner_draft = True
                 log.warning("DecodeStream asked for model_draft_tokens but this target hosts no draft model "
                             "(--inner-draft): decoding plainly")
             return None
-        return ModelDrafter(state.params, committed, model, request.stop_token_ids, limit)
+        return ModelDrafter(state.params, committed, model, request.stop_token_ids, limit, adaptive)
 
     def _draft_limit(self, session_id: str) -> int | None:
         """What a draft of this session would have kept in its latest step (goodput.py), if known.

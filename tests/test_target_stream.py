@@ -230,7 +230,8 @@ GUMBEL = SamplingParams(temperature=1.0, top_p=0.9, seed=5, mode=SamplingMode.GU
 async def test_a_stream_drafted_by_the_hosted_draft_model_is_plain_decoding(drafting_service, reference, params):
     """model_draft_tokens: the target's own draft model drafts each step (distributions included:
     Gumbel-coupled sampling is token for token plain sampling); two turns in a row reuse its
-    session; both fields at once are refused; a target hosting no draft decodes plainly."""
+    session, the second with the adaptive length; both fields at once are refused, and so is an
+    adaptive length with neither; a target hosting no draft decodes plainly."""
     expected = reference(50, params)
     async with session(drafting_service, params) as (target, session_id, position):
         stub = target_pb2_grpc.TargetServiceStub(target.channel)
@@ -240,16 +241,20 @@ async def test_a_stream_drafted_by_the_hosted_draft_model_is_plain_decoding(draf
                 session_id=session_id, position=at, num_tokens=n, **fields))]
 
         first = await stream(position, 20, model_draft_tokens=3)
-        second = await stream(position + 20, 29, model_draft_tokens=3)
+        second = await stream(position + 20, 29, model_draft_tokens=6, adaptive_draft_length=True)
         assert [t for m in first + second for t in m.token_ids] == expected[1:]
         drafted = sum(m.num_drafted for m in first + second)
         assert sum(m.num_accepted for m in first + second) == drafted > 20  # the same model: all accepted
         for m in first + second:
-            assert len(m.token_ids) == (m.num_accepted + 1 if m.num_drafted else 1) and m.num_drafted <= 3
+            assert len(m.token_ids) == (m.num_accepted + 1 if m.num_drafted else 1)
             assert (m.timing.draft_model_ns > 0) == (m.num_drafted > 0)  # drafting is model time, reported apart
+        assert max(m.num_drafted for m in first) <= 3 and max(m.num_drafted for m in second) <= 6
         with pytest.raises(grpc.aio.AioRpcError) as both:
             await stream(position + 49, 2, model_draft_tokens=2, lookup_draft_tokens=2)
         assert both.value.code() == Code.INVALID_ARGUMENT and "not both" in both.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as neither:
+            await stream(position + 49, 2, adaptive_draft_length=True)
+        assert neither.value.code() == Code.INVALID_ARGUMENT and "needs lookup_draft_tokens" in neither.value.details()
 
 
 async def test_a_target_hosting_no_draft_model_decodes_plainly(service, reference):

@@ -14,8 +14,9 @@ the same batched step that decodes the other sessions (specdec.engine.target_str
   sessions of a batch stay in step (drafting through a batcher of its own split them into groups
   that waited on each other's draft and verify steps: 0.56-0.75x of plain at 4 CPU sessions).
 
-Under load a drafter drafts no more than the target's goodput trimming would verify for its session
-(what it kept of the session's last draft, or, after a plain step, the trimmer's draft_limits), and
+Each step's draft length is the stream's request, fixed or adaptive (specdec.engine.inner_length:
+the coordinator's per-session policy, run per stream on what its steps measured). Under load a
+drafter drafts no more than the target's goodput trimming would verify for its session, and
 a draft model's row is planned by the trimmer before it is drafted: a token the trimmer would cut
 costs nothing, which matters for a draft model, whose forwards share the target's model thread. A drafter that fails never fails the stream: it logs, stops drafting, and
 the stream decodes plainly (the output is the same either way). Drafts never reach past the step's room (the stream's budget)
@@ -35,7 +36,9 @@ from specdec.engine.draft import DraftEngine
 from specdec.engine.draft_batch import ProposeWork, run_propose_batch
 from specdec.engine.goodput import DraftTrimmer, prefix, run_trimmed_batch
 from specdec.engine.target import TargetEngine
+from specdec.engine.inner_length import DraftLength
 from specdec.engine.target_lookup import LookupIndex
+from specdec.engine.target_stream import StreamStep
 from specdec.sampling.params import SamplingParams
 from specdec.types import DraftBlock, VerifyOutcome
 
@@ -52,41 +55,53 @@ class Drafter(Protocol):
     def verified(self, work: Work, result) -> tuple[VerifyOutcome, DraftBlock, StepTiming | None]:
         """The step's outcome, the draft it verified, and what drafting cost on the model thread."""
 
-
-class _TrimAware:
-    """How many tokens the next draft may have: the stream's limit, the room, and what the target's
-    trimming let through last time (limit(): its draft_limits for the session, None: no limit)."""
-
-    def __init__(self, max_tokens: int, limit: Callable[[], int | None] = lambda: None):
-        self.max_tokens, self.limit = max_tokens, limit
-        self._kept: int | None = None  # the last draft's trimmed length, when trimmed
-
-    def allowed(self, room: int) -> int:
-        kept, self._kept = self._kept, None
-        limit = kept if kept is not None else self.limit()
-        return min(self.max_tokens, room, self.max_tokens if limit is None else limit)
-
-    def _trimmed(self, drafted: int, outcome: VerifyOutcome) -> None:
-        self._kept = outcome.num_drafted if outcome.num_drafted < drafted else None
+    def stepped(self, step: StreamStep) -> None:
+        """The step as the stream yields it (a plain step: no outcome): what the length rule learns from."""
 
 
-class LookupDrafter(_TrimAware):
+class _Drafting:
+    """A drafter's length rule (inner_length.DraftLength) and what it learns from each step."""
+
+    def __init__(self, max_tokens: int, limit: Callable[[], int | None], adaptive: bool):
+        self.length = DraftLength(max_tokens, limit, adaptive)
+        self._verified: tuple | None = None  # (block, outcome, steady) of the step just run
+
+    def _remember(self, asked: int, planned: int, block: DraftBlock, outcome: VerifyOutcome, steady: bool) -> None:
+        self.length.kept(asked, planned, block.num_tokens, outcome)
+        self._verified = (block, outcome, steady)
+
+    def stepped(self, step: StreamStep) -> None:
+        verified, self._verified = self._verified, None
+        if step.outcome is None or verified is None:
+            self.length.plain(step.cost.model_ns * 1e-9)
+            return
+        block, outcome, steady = verified
+        draft_s = step.draft_cost.model_ns * 1e-9 if step.draft_cost is not None else 0.0
+        self.length.verified(block, outcome, draft_s, step.cost.model_ns * 1e-9, steady)
+
+
+class LookupDrafter(_Drafting):
     def __init__(self, committed: Callable[[], Sequence[int] | None], max_tokens: int,
-                 stop_token_ids: Collection[int] = (), limit: Callable[[], int | None] = lambda: None):
-        super().__init__(max_tokens, limit)
+                 stop_token_ids: Collection[int] = (), limit: Callable[[], int | None] = lambda: None,
+                 adaptive: bool = False):
+        super().__init__(max_tokens, limit, adaptive)
         self.committed, self.stops = committed, frozenset(stop_token_ids)
         self.index = LookupIndex()
 
     def work(self, session_id: str, position: int, room: int) -> VerifyWork | None:
-        tokens, allowed = self.committed(), self.allowed(room)
-        if tokens is None or not allowed:  # ended meanwhile (the step says so), or nothing would pay
+        tokens = self.committed()
+        if tokens is None:  # ended meanwhile (the step says so)
+            return None
+        allowed, _ = self.length.next(room)
+        if not allowed:  # nothing would pay
             return None
         self.index.sync(tokens)
         draft = self.index.draft(allowed, self.stops)
         return VerifyWork(session_id, position, draft) if draft.num_tokens else None
 
     def verified(self, work: VerifyWork, outcome: VerifyOutcome) -> tuple[VerifyOutcome, DraftBlock, None]:
-        self._trimmed(work.draft.num_tokens, outcome)
+        drafted = work.draft.num_tokens  # what lookup found: its length is not a choice to learn from
+        self._remember(drafted, drafted, work.draft, outcome, steady=True)
         return outcome, work.draft, None
 
 
@@ -105,6 +120,7 @@ class InnerDraftWork:
     append: tuple[int, ...] = ()
     open_with: tuple[int, ...] | None = None
     stop_token_ids: frozenset = frozenset()
+    stop_below: float = 0.0  # the draft's confidence stop (ProposeWork.stop_below); 0: draft them all
 
 
 @dataclass
@@ -114,30 +130,35 @@ class InnerDraftResult:
     draft_ns: int  # the step's draft pass on the model thread (every row that drafted reports it whole)
     draft_tokens: list[int] | None  # the draft session's tokens after this step's Propose; None: none ran
     failed: Exception | None = None  # the draft failed: this step verified nothing
+    planned: int = 0  # the length the trimmer let it draft (before the draft's confidence stop)
 
 
-class ModelDrafter(_TrimAware):
+class ModelDrafter(_Drafting):
     """One stream's drafts from the hosted draft model. The draft session (same id as the target's)
     outlives the stream, so the next turn's stream finds the draft's cache and only appends."""
 
     def __init__(self, params: SamplingParams, committed: Callable[[], Sequence[int] | None], max_tokens: int,
-                 stop_token_ids: Collection[int] = (), limit: Callable[[], int | None] = lambda: None):
-        super().__init__(max_tokens, limit)
+                 stop_token_ids: Collection[int] = (), limit: Callable[[], int | None] = lambda: None,
+                 adaptive: bool = False):
+        super().__init__(max_tokens, limit, adaptive)
         self.params, self.committed, self.stops = params, committed, frozenset(stop_token_ids)
         self.draft_tokens: list[int] | None = None  # the draft session's tokens after our last Propose
         self.known = 0  # of them, a prefix of the committed tokens (which only grow during a stream)
         self.failed = False
 
     def work(self, session_id: str, position: int, room: int) -> InnerDraftWork | None:
-        tokens, allowed = self.committed(), self.allowed(room)
-        if self.failed or tokens is None or not allowed:
+        tokens = self.committed()
+        if self.failed or tokens is None:
+            return None
+        allowed, stop_below = self.length.next(room, confidences=True)
+        if not allowed:
             return None
         if self.draft_tokens is None:  # first step: the draft session is aligned inside the step
             return InnerDraftWork(session_id, position, allowed, self.params, open_with=tuple(tokens),
-                                  stop_token_ids=self.stops)
+                                  stop_token_ids=self.stops, stop_below=stop_below)
         keep = _common_prefix(self.draft_tokens, tokens, self.known)
         return InnerDraftWork(session_id, position, allowed, self.params, keep, tuple(tokens[keep:]),
-                              stop_token_ids=self.stops)
+                              stop_token_ids=self.stops, stop_below=stop_below)
 
     def verified(self, work: InnerDraftWork, result: InnerDraftResult) -> tuple[VerifyOutcome, DraftBlock, StepTiming]:
         if result.failed is not None:  # a failing draft decodes plainly, never fails the stream
@@ -146,7 +167,10 @@ class ModelDrafter(_TrimAware):
         else:
             if result.draft_tokens is not None:  # it drafted (else its session waits as it was)
                 self.draft_tokens, self.known = result.draft_tokens, work.position
-            self._trimmed(work.num_draft_tokens, result.outcome)  # planned shorter, or trimmed: the next limit
+            # A draft that first caught up on more than the last step's next token (the stream's
+            # first step, a step after a plain one) paid a prefill, not a steady draft's cost.
+            steady = work.open_with is None and len(work.append) <= 1
+            self._remember(work.num_draft_tokens, result.planned, result.block, result.outcome, steady)
         return result.outcome, result.block, StepTiming(model_ns=result.draft_ns)
 
 
@@ -170,7 +194,8 @@ def run_inner_step(target: TargetEngine, trimmer: DraftTrimmer | None, drafts: D
             continue
         try:
             keep, append = (work.keep, work.append) if work.open_with is None else _align(drafts, work)
-            proposes.append((i, ProposeWork(work.session_id, keep, append, planned[i])))
+            proposes.append((i, ProposeWork(work.session_id, keep, append, planned[i],
+                                             stop_below=work.stop_below)))
         except Exception as exc:  # noqa: BLE001 - this row's draft only
             failed[i] = exc
     drafting_started = time.perf_counter_ns()
@@ -195,7 +220,7 @@ def run_inner_step(target: TargetEngine, trimmer: DraftTrimmer | None, drafts: D
         state = drafts.sessions.peek(works[i].session_id) if i in drafted_rows else None
         tokens = list(state.tokens) if state is not None else None
         results[i] = InnerDraftResult(results[i], blocks[i], draft_ns if i in drafted_rows else 0, tokens,
-                                      failed.get(i))
+                                      failed.get(i), planned[i])
     return results
 
 

@@ -87,6 +87,9 @@ async def decode_step_stream(
             tokens = draft.token_ids[: outcome.num_accepted].tolist() + [outcome.next_token]
         else:
             tokens, cost = await batcher.submit_timed(DecodeWork(session_id, position, num_tokens=1, room=left))
-        yield StreamStep(tokens, cost, outcome, draft_cost)
+        step = StreamStep(tokens, cost, outcome, draft_cost)
+        if drafter is not None:
+            drafter.stepped(step)  # what its length rule learns from (inner_length)
+        yield step
         generated += len(tokens)
         position += len(tokens)
