@@ -5,6 +5,8 @@
     specdec distill train --target T --data data/ --out run/ [--eval eval.npz]
     specdec distill evaluate --draft run/h256-l3-i768-kv2 --eval eval.npz
     specdec distill cost --draft D --target T                   # CPU decode step, draft vs target
+    specdec distill train-head --target T --data data/ --out run/ [--eval eval.npz]   # EAGLE-style head
+    specdec distill evaluate-head --head run/head --target T --eval eval.npz [--draft D]
 """
 
 from __future__ import annotations
@@ -120,6 +122,45 @@ def add_subcommands(parser: argparse.ArgumentParser) -> None:
                    help="context tokens outside the reduced head scored beside it each step (150: the 90th "
                         "percentile over the Spec-Bench dev sessions at 4,096 rows; docs/DISTILLATION.md)")
     c.set_defaults(func=_cost)
+    _add_head_subcommands(sub)
+
+
+def _add_head_subcommands(sub) -> None:
+    h = sub.add_parser("train-head", help="train an EAGLE-style draft head on the target's hidden states")
+    h.add_argument("--target", required=True)
+    h.add_argument("--data", required=True, help="directory of shard-*.npz (generate-data)")
+    h.add_argument("--out", required=True, help="run directory: state.pt, train_log.jsonl, head/")
+    h.add_argument("--eval", default=None, help="held-out reference answers (make-eval), for the learning curve")
+    h.add_argument("--max-steps", type=int, default=1000)
+    h.add_argument("--time-budget", type=float, default=0.0,
+                   help="seconds; with --max-steps 0 the LR schedule follows elapsed time")
+    h.add_argument("--batch-tokens", type=int, default=16384)
+    h.add_argument("--max-len", type=int, default=1024)
+    h.add_argument("--passes", type=int, default=3,
+                   help="chained drafting steps trained per position on the head's own features (1: none)")
+    h.add_argument("--pass-decay", type=float, default=0.8, help="loss weight of pass p: decay ** (p - 1)")
+    h.add_argument("--lr", type=float, default=1e-3)
+    h.add_argument("--warmup-steps", type=int, default=100)
+    h.add_argument("--kd-weight", type=float, default=1.0)
+    h.add_argument("--ce-weight", type=float, default=0.5)
+    h.add_argument("--reg-weight", type=float, default=0.1, help="smooth L1 between predicted and true features")
+    h.add_argument("--prompt-weight", type=float, default=0.1)
+    h.add_argument("--seed", type=int, default=0)
+    h.add_argument("--log-every", type=int, default=10)
+    h.add_argument("--eval-every", type=int, default=500)
+    h.add_argument("--save-every", type=int, default=500)
+    _device_args(h, default_dtype="bfloat16")
+    h.set_defaults(func=_train_head)
+
+    e = sub.add_parser("evaluate-head", help="chained speculative acceptance of a draft head per category")
+    e.add_argument("--head", required=True, help="head directory (train-head's OUT/head)")
+    e.add_argument("--target", required=True)
+    e.add_argument("--eval", required=True, help="reference answers (make-eval)")
+    e.add_argument("--k", type=int, default=4)
+    e.add_argument("--draft", default=None, help="also a standalone draft through the same metrics (baseline)")
+    e.add_argument("--json-out", default=None)
+    _device_args(e, default_dtype="float32")
+    e.set_defaults(func=_evaluate_head)
 
 
 def _device_args(p: argparse.ArgumentParser, default_dtype: str) -> None:
@@ -250,4 +291,48 @@ def _cost(args) -> int:
             result[name][f"ratio_{stat[:-3]}"] = round(result[name][stat] / result["target"][stat], 4)
     print(json.dumps({"backend": args.backend, "threads": args.threads, "context": args.context,
                       "context_rows": args.context_rows, **result}))
+    return 0
+
+
+def _train_head(args) -> int:
+    from specdec.distill.target import load_target
+    from specdec.distill.train import set_seed
+    from specdec.distill.train_head import HeadTrainConfig, HeadTrainer
+
+    set_seed(args.seed)
+    cfg = HeadTrainConfig(
+        data_dir=args.data, out_dir=args.out, target_name=args.target, eval_file=args.eval,
+        max_steps=args.max_steps, time_budget_s=args.time_budget, batch_tokens=args.batch_tokens,
+        max_len=args.max_len, passes=args.passes, pass_decay=args.pass_decay, lr=args.lr,
+        warmup_steps=args.warmup_steps, kd_weight=args.kd_weight, ce_weight=args.ce_weight,
+        reg_weight=args.reg_weight, prompt_weight=args.prompt_weight, seed=args.seed, log_every=args.log_every,
+        eval_every=args.eval_every, save_every=args.save_every, device=args.device,
+    )
+    final = HeadTrainer(cfg, load_target(args.target, args.device, _dtype(args.dtype))).train()
+    print(json.dumps(final))
+    return 0
+
+
+def _evaluate_head(args) -> int:
+    from specdec.distill.data import load_shard
+    from specdec.distill.evaluate import match_vectors
+    from specdec.distill.evaluate_head import baseline_chains, chain_summary, head_chains
+    from specdec.distill.head import load_head
+    from specdec.distill.target import load_target
+
+    target = load_target(args.target, args.device, _dtype(args.dtype))
+    head = load_head(args.head).to(args.device, _dtype(args.dtype)).attach(target)
+    records = load_shard(args.eval)
+    result = {"head": chain_summary(records, head_chains(head, target, records, args.k, args.device), args.k)}
+    if args.draft:
+        from transformers import AutoModelForCausalLM
+
+        draft = AutoModelForCausalLM.from_pretrained(_resolved_draft(args.draft), dtype=_dtype(args.dtype))
+        matches = match_vectors(draft.to(args.device), records, args.device)
+        result["draft"] = chain_summary(records, baseline_chains(matches, args.k), args.k)
+    text = json.dumps(result, indent=2)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            f.write(text)
+    print(text)
     return 0
