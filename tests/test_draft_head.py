@@ -75,7 +75,7 @@ def _step_by_step(head: DraftHead, features: torch.Tensor, tokens: torch.Tensor,
 def test_unrolled_forward_equals_drafting_step_by_step(target):
     head = _head(target)
     tokens = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(0))
-    features, _ = target_features(target, tokens[None], torch.ones(1, 12, dtype=torch.long))
+    features = head.pick(*target_features(target, tokens[None], torch.ones(1, 12, dtype=torch.long)))
     k = 3
     padded = torch.cat([tokens[1:], torch.zeros(k - 1, dtype=torch.long)])
     unrolled = head.unrolled(features[:, :11], padded[None], k)
@@ -93,15 +93,27 @@ class _OracleHead(DraftHead):
     def unrolled(self, features, next_ids, passes):
         first = next_ids.new_full((next_ids.shape[0], 1), self.first_id)
         ids = torch.cat([first, next_ids], dim=1)  # ids[:, t] = x_t
-        full, _ = target_features(self.oracle_of[0], ids, torch.ones_like(ids))
+        full = self.pick(*target_features(self.oracle_of[0], ids, torch.ones_like(ids)))
         return [full[:, p:p + features.shape[1]] for p in range(1, passes + 1)]
 
 
-def test_an_exact_head_is_always_accepted(target, data):
+@torch.no_grad()
+def test_target_features_leave_the_target_unchanged(target):
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    pre_norm, post_norm = target_features(target, ids, mask)
+    plain = target(input_ids=ids, attention_mask=mask)
+    torch.testing.assert_close(target.lm_head(post_norm), plain.logits)
+    torch.testing.assert_close(target.model.norm(pre_norm), post_norm)
+    assert not torch.allclose(pre_norm, post_norm)
+
+
+@pytest.mark.parametrize("feature", ["post_norm", "pre_norm"])
+def test_an_exact_head_is_always_accepted(target, data, feature):
     from specdec.distill.data import load_shard
 
     records = load_shard(data / "eval.npz")
-    oracle = _OracleHead(HeadConfig.from_target(target.config)).attach(target)
+    oracle = _OracleHead(HeadConfig.from_target(target.config, feature=feature)).attach(target)
     oracle.oracle_of = (target,)
     chains = []
     for r in records:  # one record a call: the oracle needs each sequence's first token

@@ -144,6 +144,8 @@ def _add_head_subcommands(sub) -> None:
     h.add_argument("--kd-weight", type=float, default=1.0)
     h.add_argument("--ce-weight", type=float, default=0.5)
     h.add_argument("--reg-weight", type=float, default=0.1, help="smooth L1 between predicted and true features")
+    h.add_argument("--feature", default="post_norm", choices=("post_norm", "pre_norm"),
+                   help="the target's final hidden state after its final norm (EAGLE's) or before it")
     h.add_argument("--prompt-weight", type=float, default=0.1)
     h.add_argument("--seed", type=int, default=0)
     h.add_argument("--log-every", type=int, default=10)
@@ -301,7 +303,7 @@ def _train_head(args) -> int:
 
     set_seed(args.seed)
     cfg = HeadTrainConfig(
-        data_dir=args.data, out_dir=args.out, target_name=args.target, eval_file=args.eval,
+        data_dir=args.data, out_dir=args.out, target_name=args.target, feature=args.feature, eval_file=args.eval,
         max_steps=args.max_steps, time_budget_s=args.time_budget, batch_tokens=args.batch_tokens,
         max_len=args.max_len, passes=args.passes, pass_decay=args.pass_decay, lr=args.lr,
         warmup_steps=args.warmup_steps, kd_weight=args.kd_weight, ce_weight=args.ce_weight,

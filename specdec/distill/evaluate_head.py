@@ -32,10 +32,14 @@ from specdec.distill.data import Record
 
 
 def target_features(target, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's last decoder layer output before its final norm (the head's feature f), and after
-    it (lm_head's input), both [B, T, H]. The pre-norm one is caught with a hook on the final norm."""
+    """The target's last decoder layer output before its final norm, and after it (lm_head's input),
+    both [B, T, H]. The pre-norm one is caught with a hook on the final norm."""
     caught = {}
-    hook = target.model.norm.register_forward_hook(lambda module, inputs, output: caught.setdefault("f", inputs[0]))
+
+    def catch(module, inputs, output) -> None:  # returns None: a forward hook's return value replaces the output
+        caught["f"] = inputs[0]
+
+    hook = target.model.norm.register_forward_hook(catch)
     try:
         normed = target.model(input_ids=ids, attention_mask=mask).last_hidden_state
     finally:
@@ -67,7 +71,7 @@ def head_chains(head, target, records: list[Record], k: int, device: str, batch_
             ids[row, :len(records[i].tokens)] = torch.from_numpy(records[i].tokens)
             mask[row, :len(records[i].tokens)] = 1
         ids, mask = ids.to(device), mask.to(device)
-        features, _ = target_features(target, ids[:, :width], mask)
+        features = head.pick(*target_features(target, ids[:, :width], mask))
         outputs = head.unrolled(features[:, :width - 1], ids[:, 1:], k)  # k x [B, width-1, H]
         for row, i in enumerate(idx):
             r = records[i]

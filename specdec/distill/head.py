@@ -12,11 +12,13 @@ where f_t is the target's feature at position t, and embed, final_norm and lm_he
 features of the drafted tokens are unknown (the target has not read them yet), so the head feeds its own
 prediction g back in as the next f.
 
-Which feature: f is the target's last decoder layer output BEFORE the final norm (the residual stream).
-Then norm + lm_head map a perfect prediction to exactly the target's logits, the same function the target
-applies, and the head's own output g is the same kind of quantity as its input f, so a predicted feature
-can stand in for a true one in the next drafting step. (After the norm, g would have to be a normalized
-vector that the frozen norm then normalizes again.)
+Which feature: f is the target's final hidden state AFTER its final norm (lm_head's input), and the
+head's output g goes to lm_head directly, as in EAGLE: a perfect prediction then gives exactly the target's
+logits, and g is the same kind of quantity as f, so a predicted feature can stand in for a true one in the
+next drafting step. Before the norm, this target's residual stream carries massive activations (rms 34,
+single values over 4,000, against rms 1.9 after the norm), which would swamp the token embedding in the fc
+and make the feature regression a fit of a few outlier dimensions. feature="pre_norm" (the head's output
+then goes through the target's final norm) is kept as an option for comparison.
 
 Attention runs over an explicit set of keys so one forward can stand for many drafting steps at once
 (`unrolled`): pass p (p = 1..passes) at base index t is the p-th drafted token of a step whose last true
@@ -37,6 +39,7 @@ from torch import nn
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+FEATURES = ("post_norm", "pre_norm")
 
 
 @dataclass(frozen=True)
@@ -50,10 +53,14 @@ class HeadConfig:
     rope_theta: float
     rms_norm_eps: float
     target: str = ""  # which target the head belongs to (its name or path; the frozen parts come from it)
-    feature: str = "pre_norm"  # the target's last decoder layer output before its final norm
+    feature: str = "post_norm"  # f after the target's final norm (lm_head's input), or "pre_norm" (before it)
+
+    def __post_init__(self):
+        if self.feature not in FEATURES:
+            raise ValueError(f"feature {self.feature!r}: choose one of {FEATURES}")
 
     @classmethod
-    def from_target(cls, target_config, target: str = "") -> "HeadConfig":
+    def from_target(cls, target_config, target: str = "", feature: str = "post_norm") -> "HeadConfig":
         rope = getattr(target_config, "rope_parameters", None) or {}
         theta = rope.get("rope_theta") or getattr(target_config, "rope_theta", None) or 10_000.0
         heads = target_config.num_attention_heads
@@ -63,6 +70,7 @@ class HeadConfig:
             head_dim=getattr(target_config, "head_dim", None) or target_config.hidden_size // heads,
             intermediate_size=target_config.intermediate_size, vocab_size=target_config.vocab_size,
             rope_theta=float(theta), rms_norm_eps=float(target_config.rms_norm_eps), target=target,
+            feature=feature,
         )
 
 
@@ -151,8 +159,14 @@ class DraftHead(nn.Module):
         return self._frozen[0](ids)
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
-        """The target's own map from a (pre-norm) feature to next-token scores."""
-        return self._frozen[2](self._frozen[1](features))
+        """The target's own map from a feature to next-token scores."""
+        if self.cfg.feature == "pre_norm":
+            features = self._frozen[1](features)
+        return self._frozen[2](features)
+
+    def pick(self, pre_norm: torch.Tensor, post_norm: torch.Tensor) -> torch.Tensor:
+        """Of the target's two final hidden states (evaluate_head.target_features), the head's feature."""
+        return pre_norm if self.cfg.feature == "pre_norm" else post_norm
 
     def unrolled(self, features: torch.Tensor, next_ids: torch.Tensor, passes: int) -> list[torch.Tensor]:
         """Predicted features of `passes` chained drafting steps from every base index.

@@ -1,7 +1,7 @@
 """Train an EAGLE-style draft head (specdec.distill.head) on target-generated shards.
 
-The target runs online on every batch (no grad) and gives, for each position, its pre-norm feature f_t
-and its next-token distribution. The head is unrolled over `passes` chained drafting steps (EAGLE-3's
+The target runs online on every batch (no grad) and gives, for each position, its feature f_t (its final
+hidden state; head.py says which) and its next-token distribution. The head is unrolled over `passes` chained drafting steps (EAGLE-3's
 training-time test, Li et al., 2025): pass 1 reads the true features, pass p > 1 reads the head's own
 predictions from pass p-1, with the attention context it would have at drafting time (head.unrolled).
 So steps 2..k of a drafting step are trained on the features they will actually see, instead of on true
@@ -41,6 +41,7 @@ class HeadTrainConfig:
     data_dir: str
     out_dir: str
     target_name: str = ""  # recorded in the head's config
+    feature: str = "post_norm"  # the target's hidden state after its final norm, or "pre_norm" (head.py)
     eval_file: str | None = None
     max_steps: int = 1000  # 0 with time_budget_s: the schedule follows elapsed time
     time_budget_s: float = 0.0
@@ -112,7 +113,7 @@ class HeadTrainer:
         self.lengths = [min(len(r.tokens), cfg.max_len) for r in self.train_records]
         self.eval_records = load_shard(cfg.eval_file) if cfg.eval_file else []
         torch.manual_seed(cfg.seed)  # the head's initial weights depend on the seed only
-        self.head = DraftHead(HeadConfig.from_target(target.config, cfg.target_name)).to(self.device).attach(target)
+        self.head = DraftHead(HeadConfig.from_target(target.config, cfg.target_name, cfg.feature)).to(self.device).attach(target)
         self.optim = torch.optim.AdamW(self.head.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
                                        weight_decay=cfg.weight_decay)
         self.step, self.epoch, self.batch_in_epoch, self.tokens_seen, self.elapsed = 0, 0, 0, 0, 0.0
@@ -159,7 +160,8 @@ class HeadTrainer:
         rows = torch.full_like(weights, -1, dtype=torch.long)
         rows[sel] = torch.arange(int(sel.sum()), device=self.device)
         with torch.no_grad(), self._autocast():
-            features, normed = target_features(self.target, ids, mask)
+            pre_norm, normed = target_features(self.target, ids, mask)
+            features = self.head.pick(pre_norm, normed)
             target_logprobs = F.log_softmax(self.target.lm_head(normed[:, :-1][sel]).float(), dim=-1)
         with self._autocast():
             loss, stats = head_loss(self.head, features, ids, weights, target_logprobs, rows, cfg)
