@@ -209,3 +209,11 @@ def test_cli_trains_and_evaluates_a_head(target_dir, data, tmp_path):
     assert set(summary) == {"head", "draft"}
     assert summary["draft"]["overall_tokens"]["acceptance_k4"] == 1.0  # the target as its own draft
     assert "alpha_4" in summary["head"]["qa"]
+
+
+def test_cost_head_times_both_steps(target_dir, capsys):
+    assert distill_main(["cost-head", "--target", str(target_dir), "--head-rows", "0", "64", "--repeats", "3",
+                         "--context", "20"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in ("rows_all", "rows_64"):
+        assert result[key]["head"]["median_ms"] > 0 and result[key]["target"]["median_ms"] > 0

@@ -7,6 +7,7 @@
     specdec distill cost --draft D --target T                   # CPU decode step, draft vs target
     specdec distill train-head --target T --data data/ --out run/ [--eval eval.npz]   # EAGLE-style head
     specdec distill evaluate-head --head run/head --target T --eval eval.npz [--draft D]
+    specdec distill cost-head --target T [--head run/head]     # CPU head step vs target step
 """
 
 from __future__ import annotations
@@ -163,6 +164,16 @@ def _add_head_subcommands(sub) -> None:
     e.add_argument("--json-out", default=None)
     _device_args(e, default_dtype="float32")
     e.set_defaults(func=_evaluate_head)
+
+    c = sub.add_parser("cost-head", help="CPU step time of a draft head against a target decode step (plain PyTorch)")
+    c.add_argument("--target", required=True)
+    c.add_argument("--head", default=None, help="head directory (default: a random head of the target's shape)")
+    c.add_argument("--head-rows", type=int, nargs="*", default=[0, 4096],
+                   help="lm_head rows scored by the head (0: all); one timing each")
+    c.add_argument("--context", type=int, default=300)
+    c.add_argument("--repeats", type=int, default=40)
+    c.add_argument("--threads", type=int, default=1)
+    c.set_defaults(func=_cost_head)
 
 
 def _device_args(p: argparse.ArgumentParser, default_dtype: str) -> None:
@@ -337,4 +348,27 @@ def _evaluate_head(args) -> int:
         with open(args.json_out, "w") as f:
             f.write(text)
     print(text)
+    return 0
+
+
+def _cost_head(args) -> int:
+    import torch
+
+    from specdec.distill.evaluate_head import head_step_ms
+    from specdec.distill.head import DraftHead, HeadConfig, load_head, num_parameters
+    from specdec.distill.target import load_target
+
+    torch.set_num_threads(args.threads)
+    target = load_target(args.target)
+    if args.head:
+        head = load_head(args.head, target)
+    else:
+        torch.manual_seed(0)  # the cost does not depend on the weights
+        head = DraftHead(HeadConfig.from_target(target.config, args.target)).attach(target)
+    result = {"threads": args.threads, "context": args.context, "head_parameters": num_parameters(head.eval())}
+    for rows in args.head_rows:
+        times = head_step_ms(head, target, args.context, args.repeats, head_rows=rows or None)
+        times["ratio_median"] = round(times["head"]["median_ms"] / times["target"]["median_ms"], 4)
+        result[f"rows_{rows or 'all'}"] = times
+    print(json.dumps(result))
     return 0

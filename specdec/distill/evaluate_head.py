@@ -152,3 +152,47 @@ def chain_summary(records: list[Record], chains: list[np.ndarray], k: int = 4) -
     result["overall_macro"] = {key: round(float(np.mean([result[c][key] for c in by_category])), 4) for key in keys}
     result["overall_tokens"] = _metrics(chains, k)
     return result
+
+
+@torch.no_grad()
+def head_step_ms(head, target, context: int = 300, repeats: int = 40, head_rows: int | None = None,
+                 seed: int = 0) -> dict[str, dict[str, float]]:
+    """Median and minimum ms of one drafting step of the head (batch 1, `context` entries cached: fc, the
+    new entry's keys, attention over context + 1 keys, MLP, and the frozen norm / lm_head, or only its
+    first `head_rows` rows) and of one target decode step (HF forward with a cache of `context` tokens),
+    timed interleaved in plain PyTorch on whatever device the modules are on (meant for the CPU)."""
+    import time
+
+    from transformers import DynamicCache
+
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, min(1000, head.cfg.vocab_size), (1, context), generator=gen)
+    hidden = head.cfg.hidden_size
+    cached = head.layer.keys_values(torch.randn(1, context, hidden, generator=gen), torch.arange(context)[None])[1:]
+    feature, token = torch.randn(1, 1, hidden, generator=gen), prompt[:, -1:]
+    rows = target.get_output_embeddings().weight[:head_rows] if head_rows else None
+    mask = torch.ones(1, context + 1, dtype=torch.bool)
+
+    def head_step():
+        x = head.fc(torch.cat([head.embed(token), feature], dim=-1))
+        positions = torch.tensor([[context]])
+        normed, k, v = head.layer.keys_values(x, positions)
+        g = head.layer(x, normed, positions, torch.cat([cached[0], k], 2), torch.cat([cached[1], v], 2), mask)
+        if rows is None:
+            return head.logits(g).argmax(-1)
+        return (head._frozen[1](g) if head.cfg.feature == "pre_norm" else g) @ rows.T
+
+    cache = DynamicCache()
+    target(input_ids=prompt, past_key_values=cache, use_cache=True)
+
+    def target_step():
+        target(input_ids=token, past_key_values=cache, use_cache=True)
+        cache.crop(-1)  # every repetition at the same position
+
+    times: dict[str, list[float]] = {"head": [], "target": []}
+    for _ in range(repeats + 3):
+        for name, step in (("head", head_step), ("target", target_step)):
+            start = time.perf_counter()
+            step()
+            times[name].append((time.perf_counter() - start) * 1000)
+    return {n: {"median_ms": round(float(np.median(t[3:])), 3), "min_ms": round(min(t[3:]), 3)} for n, t in times.items()}
