@@ -55,7 +55,8 @@ def _head(target, seed: int = 0) -> DraftHead:
     return DraftHead(HeadConfig.from_target(target.config, "tiny")).attach(target).eval()
 
 
-def _step_by_step(head: DraftHead, features: torch.Tensor, tokens: torch.Tensor, base: int, k: int) -> list[torch.Tensor]:
+def _step_by_step(head: DraftHead, features: torch.Tensor, tokens: torch.Tensor, base: int,
+                  k: int) -> list[torch.Tensor]:
     """Brute force: draft k tokens after base index `base` by running the head causally over its whole
     entry list each time (true entries 0..base, then its own predicted features)."""
     feats, ids, outs = list(features[:base + 1]), list(tokens[1:base + 2]), []

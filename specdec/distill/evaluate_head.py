@@ -59,7 +59,8 @@ def _length_batches(records: list[Record], batch_tokens: int) -> list[list[int]]
 
 
 @torch.no_grad()
-def head_chains(head, target, records: list[Record], k: int, device: str, batch_tokens: int = 16384) -> list[np.ndarray]:
+def head_chains(head, target, records: list[Record], k: int, device: str,
+                batch_tokens: int = 16384) -> list[np.ndarray]:
     """Per record, chains [n, k] bool (module docstring) of the head drafting k tokens a step."""
     head.eval()
     out: list[np.ndarray] = [np.zeros((0, k), dtype=bool)] * len(records)
@@ -195,4 +196,5 @@ def head_step_ms(head, target, context: int = 300, repeats: int = 40, head_rows:
             start = time.perf_counter()
             step()
             times[name].append((time.perf_counter() - start) * 1000)
-    return {n: {"median_ms": round(float(np.median(t[3:])), 3), "min_ms": round(min(t[3:]), 3)} for n, t in times.items()}
+    return {n: {"median_ms": round(float(np.median(t[3:])), 3), "min_ms": round(min(t[3:]), 3)}
+            for n, t in times.items()}

@@ -5,12 +5,12 @@ the feature level. Entry t of the head's sequence is
 
     input_t = fc(concat(embed(x_{t+1}), f_t))          # 2H -> H
     g_t     = decoder_layer(input_t | entries <= t)    # the predicted feature f_{t+1}
-    logits  = lm_head(final_norm(g_t))                 # scores for x_{t+2}
+    logits  = lm_head(g_t)                             # scores for x_{t+2}
 
-where f_t is the target's feature at position t, and embed, final_norm and lm_head are the target's own
-(frozen, shared, not stored in the head's checkpoint). When drafting several tokens in one step, the
-features of the drafted tokens are unknown (the target has not read them yet), so the head feeds its own
-prediction g back in as the next f.
+where f_t is the target's feature at position t, and embed and lm_head (and, for pre-norm features, the
+final norm) are the target's own: frozen, shared, not stored in the head's checkpoint. When drafting
+several tokens in one step, the features of the drafted tokens are unknown (the target has not read them
+yet), so the head feeds its own prediction g back in as the next f.
 
 Which feature: f is the target's final hidden state AFTER its final norm (lm_head's input), and the
 head's output g goes to lm_head directly, as in EAGLE: a perfect prediction then gives exactly the target's

@@ -1,8 +1,8 @@
 """Train an EAGLE-style draft head (specdec.distill.head) on target-generated shards.
 
 The target runs online on every batch (no grad) and gives, for each position, its feature f_t (its final
-hidden state; head.py says which) and its next-token distribution. The head is unrolled over `passes` chained drafting steps (EAGLE-3's
-training-time test, Li et al., 2025): pass 1 reads the true features, pass p > 1 reads the head's own
+hidden state; head.py says which) and its next-token distribution. The head is unrolled over `passes`
+chained drafting steps (EAGLE-3's training-time test, Li et al., 2025): pass 1 reads the true features, pass p > 1 reads the head's own
 predictions from pass p-1, with the attention context it would have at drafting time (head.unrolled).
 So steps 2..k of a drafting step are trained on the features they will actually see, instead of on true
 features plus noise (EAGLE-1's remedy; not used here). Loss of pass p at base t, which scores x_{t+p+1}:
@@ -113,7 +113,8 @@ class HeadTrainer:
         self.lengths = [min(len(r.tokens), cfg.max_len) for r in self.train_records]
         self.eval_records = load_shard(cfg.eval_file) if cfg.eval_file else []
         torch.manual_seed(cfg.seed)  # the head's initial weights depend on the seed only
-        self.head = DraftHead(HeadConfig.from_target(target.config, cfg.target_name, cfg.feature)).to(self.device).attach(target)
+        head_config = HeadConfig.from_target(target.config, cfg.target_name, cfg.feature)
+        self.head = DraftHead(head_config).to(self.device).attach(target)
         self.optim = torch.optim.AdamW(self.head.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
                                        weight_decay=cfg.weight_decay)
         self.step, self.epoch, self.batch_in_epoch, self.tokens_seen, self.elapsed = 0, 0, 0, 0, 0.0
@@ -183,7 +184,8 @@ class HeadTrainer:
                 result["eval"] = chain_summary(self.eval_records, chains, self.cfg.eval_k)
             if self.held_records:
                 chains = head_chains(self.head, self.target, self.held_records, self.cfg.eval_k, self.device)
-                result["heldout_generated"] = chain_summary(self.held_records, chains, self.cfg.eval_k)["overall_tokens"]
+                held = chain_summary(self.held_records, chains, self.cfg.eval_k)
+                result["heldout_generated"] = held["overall_tokens"]
         self.head.train()
         return result
 

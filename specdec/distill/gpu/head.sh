@@ -5,9 +5,9 @@
 # Started by head-watch.sh from the repository root.
 W=${W:-/tmp/w}
 GGUF=${GGUF:-/tmp/t/smol.gguf}
-TRAIN_S=${TRAIN_S:-600}
+TRAIN_S=${TRAIN_S:-480}
 DEV=${DEV:-cuda}
-HEAD_ARGS=${HEAD_ARGS:---passes 4 --batch-tokens 16384 --max-len 1280 --lr 1e-3 --warmup-steps 100 --eval-every 300 --save-every 300 --log-every 20}
+HEAD_ARGS=${HEAD_ARGS:---passes 4 --batch-tokens 16384 --max-len 1280 --lr 1e-3 --warmup-steps 100 --eval-every 200 --save-every 300 --log-every 20}
 source "$(dirname "$0")/setup.sh"  # environment, stage(), the exported target; cd $W
 stage train-head
 [ -f $W/head.done ] || { python3 -m specdec.distill train-head --target $W/target --data $W/data --out $W/headrun \
