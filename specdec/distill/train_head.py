@@ -2,8 +2,9 @@
 
 The target runs online on every batch (no grad) and gives, for each position, its feature f_t (its final
 hidden state; head.py says which) and its next-token distribution. The head is unrolled over `passes`
-chained drafting steps (EAGLE-3's training-time test, Li et al., 2025): pass 1 reads the true features, pass p > 1 reads the head's own
-predictions from pass p-1, with the attention context it would have at drafting time (head.unrolled).
+chained drafting steps (EAGLE-3's training-time test, Li et al., 2025): pass 1 reads the true features,
+pass p > 1 reads the head's own predictions from pass p-1, with the attention context it would have at
+drafting time (head.unrolled).
 So steps 2..k of a drafting step are trained on the features they will actually see, instead of on true
 features plus noise (EAGLE-1's remedy; not used here). Loss of pass p at base t, which scores x_{t+p+1}:
 
