@@ -38,6 +38,7 @@ from specdec.engine.batcher import Batcher, StepTiming
 from specdec.engine.draft import DraftEngine
 from specdec.engine.goodput import DraftTrimmer, run_trimmed_batch
 from specdec.engine.inner_draft import Drafter, InnerDraftResult, LookupDrafter, ModelDrafter, run_inner_step
+from specdec.generation.inner_adaptive import AdaptiveDraftLength
 from specdec.engine.target import TargetEngine
 from specdec.engine.target_stream import decode_step_stream, decode_steps
 from specdec.errors import InvalidArgument
@@ -218,7 +219,6 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
         if request.adaptive_draft_length and not (lookup or model):
             raise InvalidArgument("adaptive_draft_length needs lookup_draft_tokens or model_draft_tokens: "
                                   "the most tokens a step may draft")
-        adaptive = request.adaptive_draft_length
         state = self.engine.sessions.peek(session_id)
         if not (lookup or model) or state is None:  # no session: the first step says so
             return None
@@ -230,15 +230,17 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
         def limit():  # what the goodput trimming would verify for it now (None: no limit known)
             return self._draft_limit(session_id)
 
+        # The adaptive length (generation.inner_adaptive), or None: the drafter's fixed rule.
+        length = AdaptiveDraftLength(lookup or model, limit) if request.adaptive_draft_length else None
         if lookup:
-            return LookupDrafter(committed, lookup, request.stop_token_ids, limit, adaptive)
+            return LookupDrafter(committed, lookup, request.stop_token_ids, limit, length)
         if self.inner_draft is None:  # a misconfiguration costs speed, never the request
             if not self._warned_no_inner_draft:
                 self._warned_no_inner_draft = True
                 log.warning("DecodeStream asked for model_draft_tokens but this target hosts no draft model "
                             "(--inner-draft): decoding plainly")
             return None
-        return ModelDrafter(state.params, committed, model, request.stop_token_ids, limit, adaptive)
+        return ModelDrafter(state.params, committed, model, request.stop_token_ids, limit, length)
 
     def _draft_limit(self, session_id: str) -> int | None:
         """What a draft of this session would have kept in its latest step (goodput.py), if known.

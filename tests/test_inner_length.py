@@ -1,8 +1,8 @@
 """The adaptive draft length of drafts made inside the target (DecodeStream's adaptive_draft_length,
-specdec.engine.inner_length): the stream's own policy lengthens the drafts of a draft that is always
-right, switches a draft that is never right off (re-probing now and then), and the output stays
-plain decoding's token for token (greedy and Gumbel-coupled sampling), alone and concurrently, with
-the trimmer in the step."""
+specdec.generation.inner_adaptive; the fixed rule: specdec.engine.inner_length): the stream's own
+policy lengthens the drafts of a draft that is always right, switches a draft that is never right off
+(re-probing now and then), and the output stays plain decoding's token for token (greedy and
+Gumbel-coupled sampling), alone and concurrently, with the trimmer in the step."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from specdec.engine.draft import DraftEngine
 from specdec.engine.goodput import DraftTrimmer, run_trimmed_batch
 from specdec.engine.inner_draft import LookupDrafter, ModelDrafter, run_inner_step
 from specdec.engine.inner_length import DraftLength
+from specdec.generation.inner_adaptive import AdaptiveDraftLength
 from specdec.engine.target_stream import decode_step_stream
 from specdec.models.loader import load_model
 from specdec.proposers.draft_model import DraftModelProposer
@@ -55,7 +56,8 @@ def run_streams(target_dir, draft_dir, params: SamplingParams, prompts, max_toke
 
     async def stream(session_id: str, prompt: list[int]):
         _, first = engine.start_session(session_id, prompt, params)
-        drafter = ModelDrafter(params, lambda: engine.sessions.peek(session_id).tokens, max_tokens, adaptive=adaptive)
+        drafter = ModelDrafter(params, lambda: engine.sessions.peek(session_id).tokens, max_tokens,
+                               length=AdaptiveDraftLength(max_tokens) if adaptive else None)
         steps = [s async for s in decode_step_stream(batcher, session_id, len(prompt) + 1, TOKENS - 1,
                                                      drafter=drafter)]
         return [first] + [t for s in steps for t in s.tokens], steps
@@ -86,7 +88,7 @@ def simulate(confidence: float, accepted: bool, steps: int = 60) -> list[int]:
     """The policy's side, with costs given: a draft token costs 5% of a 40 ms target step, a verify
     grows 3% a token; each drafted token has `confidence` and all or none are accepted. The drafted
     length of each step (0: plain), the draft's confidence stop applied as the draft model does."""
-    length = DraftLength(8, adaptive=True)
+    length = AdaptiveDraftLength(8)
     lengths = []
     for _ in range(steps):
         k, stop_below = length.next(100, confidences=True)
@@ -151,7 +153,7 @@ def test_a_fixed_length_is_cut_by_the_trimming_then_restored():
 def test_a_confidence_stop_is_not_taken_for_trimming():
     """A draft model's block that stopped by its confidence is shorter than asked, but nothing was
     trimmed: the next draft may be as long as the policy wants."""
-    length = DraftLength(6, adaptive=True)
+    length = AdaptiveDraftLength(6)
     length.kept(6, 6, 3, VerifyOutcome(7, 3, 3, 0))
     assert length._kept is None
     length.kept(6, 6, 3, VerifyOutcome(7, 2, 1, 0))  # 3 drafted, 2 kept: trimmed
@@ -166,7 +168,7 @@ def test_an_adaptive_lookup_stream_is_plain_decoding(tiny_dir):
 
     async def stream(session_id: str, prompt: list[int]):
         _, first = engine.start_session(session_id, prompt, GREEDY)
-        drafter = LookupDrafter(lambda: engine.sessions.peek(session_id).tokens, 8, adaptive=True)
+        drafter = LookupDrafter(lambda: engine.sessions.peek(session_id).tokens, 8, length=AdaptiveDraftLength(8))
         steps = [s async for s in decode_step_stream(batcher, session_id, len(prompt) + 1, TOKENS - 1,
                                                      drafter=drafter)]
         return [first] + [t for s in steps for t in s.tokens]

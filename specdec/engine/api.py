@@ -21,7 +21,7 @@ from specdec.types import DraftBlock, VerifyOutcome
 class InnerDraft:
     """Drafts the target makes inside its decode stream (specdec.engine.inner_draft): "ngram" (prompt
     lookup) or "model" (the draft model it hosts), up to num_tokens a step: that many, or, adaptive,
-    as many as the stream's own policy finds pays (specdec.engine.inner_length)."""
+    as many as the stream's own policy finds pays (specdec.generation.inner_adaptive)."""
 
     kind: str
     num_tokens: int

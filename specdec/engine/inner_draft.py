@@ -14,8 +14,9 @@ the same batched step that decodes the other sessions (specdec.engine.target_str
   sessions of a batch stay in step (drafting through a batcher of its own split them into groups
   that waited on each other's draft and verify steps: 0.56-0.75x of plain at 4 CPU sessions).
 
-Each step's draft length is the stream's request, fixed or adaptive (specdec.engine.inner_length:
-the coordinator's per-session policy, run per stream on what its steps measured). Under load a
+Each step's draft length is the stream's request, fixed (specdec.engine.inner_length) or adaptive
+(specdec.generation.inner_adaptive: the coordinator's per-session policy, run per stream on what its
+steps measured). Under load a
 drafter drafts no more than the target's goodput trimming would verify for its session, and
 a draft model's row is planned by the trimmer before it is drafted: a token the trimmer would cut
 costs nothing, which matters for a draft model, whose forwards share the target's model thread. A drafter that fails never fails the stream: it logs, stops drafting, and
@@ -62,8 +63,9 @@ class Drafter(Protocol):
 class _Drafting:
     """A drafter's length rule (inner_length.DraftLength) and what it learns from each step."""
 
-    def __init__(self, max_tokens: int, limit: Callable[[], int | None], adaptive: bool):
-        self.length = DraftLength(max_tokens, limit, adaptive)
+    def __init__(self, max_tokens: int, limit: Callable[[], int | None], length: DraftLength | None):
+        # The fixed rule unless the caller gives another (the adaptive one: generation.inner_adaptive).
+        self.length = length if length is not None else DraftLength(max_tokens, limit)
         self._verified: tuple | None = None  # (block, outcome, steady) of the step just run
 
     def _remember(self, asked: int, planned: int, block: DraftBlock, outcome: VerifyOutcome, steady: bool) -> None:
@@ -83,8 +85,8 @@ class _Drafting:
 class LookupDrafter(_Drafting):
     def __init__(self, committed: Callable[[], Sequence[int] | None], max_tokens: int,
                  stop_token_ids: Collection[int] = (), limit: Callable[[], int | None] = lambda: None,
-                 adaptive: bool = False):
-        super().__init__(max_tokens, limit, adaptive)
+                 length: DraftLength | None = None):
+        super().__init__(max_tokens, limit, length)
         self.committed, self.stops = committed, frozenset(stop_token_ids)
         self.index = LookupIndex()
 
@@ -139,8 +141,8 @@ class ModelDrafter(_Drafting):
 
     def __init__(self, params: SamplingParams, committed: Callable[[], Sequence[int] | None], max_tokens: int,
                  stop_token_ids: Collection[int] = (), limit: Callable[[], int | None] = lambda: None,
-                 adaptive: bool = False):
-        super().__init__(max_tokens, limit, adaptive)
+                 length: DraftLength | None = None):
+        super().__init__(max_tokens, limit, length)
         self.params, self.committed, self.stops = params, committed, frozenset(stop_token_ids)
         self.draft_tokens: list[int] | None = None  # the draft session's tokens after our last Propose
         self.known = 0  # of them, a prefix of the committed tokens (which only grow during a stream)
