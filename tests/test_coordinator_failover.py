@@ -50,7 +50,9 @@ def dirs(tmp_path_factory):
 def services(dirs, redis_url, tmp_path_factory):
     logs = tmp_path_factory.mktemp("failover-logs")
     plain = ["--plaintext"]
-    target = ["--model", str(dirs["target"]), "--max-context", str(CONTEXT), *plain]
+    # 5 ms a forward: a tiny target otherwise streams a whole 80-token run into the transport before a
+    # test's SIGSTOP lands (seen under CI load), and there is then nothing left to fail over.
+    target = ["--model", str(dirs["target"]), "--max-context", str(CONTEXT), "--test-delay-ms", "5", *plain]
     procs = {
         "t1": launch("target_service", target, log_dir=logs),
         "t2": launch("target_service", target, log_dir=logs),
