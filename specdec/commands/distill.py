@@ -275,9 +275,14 @@ def _evaluate(args) -> int:
         if args.head_out:
             with open(f"{args.head_out}.{size}.json", "w") as f:
                 json.dump({"token_ids": ids.tolist(), "coverage": coverage}, f)
+    return _report(result, args.json_out)
+
+
+def _report(result: dict, json_out: str | None) -> int:
+    """An evaluation's result: printed, and written to json_out when given."""
     text = json.dumps(result, indent=2)
-    if args.json_out:
-        with open(args.json_out, "w") as f:
+    if json_out:
+        with open(json_out, "w") as f:
             f.write(text)
     print(text)
     return 0
@@ -343,12 +348,7 @@ def _evaluate_head(args) -> int:
         draft = AutoModelForCausalLM.from_pretrained(_resolved_draft(args.draft), dtype=_dtype(args.dtype))
         matches = match_vectors(draft.to(args.device), records, args.device)
         result["draft"] = chain_summary(records, baseline_chains(matches, args.k), args.k)
-    text = json.dumps(result, indent=2)
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            f.write(text)
-    print(text)
-    return 0
+    return _report(result, args.json_out)
 
 
 def _cost_head(args) -> int:

@@ -267,38 +267,49 @@ class Trainer:
             raise ValueError("give max_steps, or max_steps=0 with a time budget")
         for d in self.drafts.values():
             d.train()
-        start = time.time() - self.elapsed
-        bar = tqdm(total=self.max_steps if self.max_steps > 0 else None, initial=self.step, desc="train",
-                   mininterval=5)
-        batches = self._batches()
-        last = {}
-        while self.max_steps <= 0 or self.step < self.max_steps:
-            if cfg.stop_at_step and self.step >= cfg.stop_at_step:
-                log.info("stopping at step %d as asked; resume continues the schedule", self.step)
-                break
-            if cfg.time_budget_s and time.time() - start > cfg.time_budget_s:
-                log.info("time budget reached at step %d", self.step)
-                break
-            stats = self.train_step(next(batches))
-            self.batch_in_epoch += 1
-            self.step += 1
-            self.elapsed = time.time() - start
-            bar.update(1)
-            if self.step % cfg.log_every == 0 or self.step == 1:
-                last = {"step": self.step, "epoch": self.epoch, "tokens": self.tokens_seen,
-                        "elapsed_s": round(self.elapsed, 1), **stats}
-                self._log(last)
-                bar.set_postfix({n: round(s["agree_train"], 3) for n, s in stats.items() if isinstance(s, dict)})
-            if cfg.eval_every and self.step % cfg.eval_every == 0:
-                self._log({"step": self.step, "tokens": self.tokens_seen, "eval": self.evaluate()})
-            if cfg.save_every and self.step % cfg.save_every == 0:
-                self._save_state()
-        bar.close()
+        run_schedule(self, self.max_steps, "train", lambda: {"eval": self.evaluate()})
         final = {"step": self.step, "tokens": self.tokens_seen, "elapsed_s": round(self.elapsed, 1),
                  "eval": self.evaluate(), "final": True}
         self._log(final)
         self._save_state()
         return final
+
+
+def run_schedule(trainer, max_steps: int, desc: str, eval_fields) -> bool:
+    """The step loop both trainers share (this module's Trainer and train_head's HeadTrainer): train
+    step after step until max_steps (0: none), the time budget or cfg.stop_at_step, logging every
+    log_every steps, evaluating (eval_fields(): the fields it logs) every eval_every and saving every
+    save_every. The trainer carries cfg, step, epoch, batch_in_epoch, tokens_seen and elapsed (which
+    resuming restores), _batches(), train_step(), _log() and _save_state(). True: it stopped at
+    stop_at_step."""
+    cfg = trainer.cfg
+    start = time.time() - trainer.elapsed
+    bar = tqdm(total=max_steps if max_steps > 0 else None, initial=trainer.step, desc=desc, mininterval=5)
+    batches = trainer._batches()
+    try:
+        while max_steps <= 0 or trainer.step < max_steps:
+            if cfg.stop_at_step and trainer.step >= cfg.stop_at_step:
+                log.info("stopping at step %d as asked; resume continues the schedule", trainer.step)
+                return True
+            if cfg.time_budget_s and time.time() - start > cfg.time_budget_s:
+                log.info("time budget reached at step %d", trainer.step)
+                return False
+            stats = trainer.train_step(next(batches))
+            trainer.batch_in_epoch += 1
+            trainer.step += 1
+            trainer.elapsed = time.time() - start
+            bar.update(1)
+            if trainer.step % cfg.log_every == 0 or trainer.step == 1:
+                trainer._log({"step": trainer.step, "epoch": trainer.epoch, "tokens": trainer.tokens_seen,
+                              "elapsed_s": round(trainer.elapsed, 1), **stats})
+                bar.set_postfix({n: round(s["agree_train"], 3) for n, s in stats.items() if isinstance(s, dict)})
+            if cfg.eval_every and trainer.step % cfg.eval_every == 0:
+                trainer._log({"step": trainer.step, "tokens": trainer.tokens_seen, **eval_fields()})
+            if cfg.save_every and trainer.step % cfg.save_every == 0:
+                trainer._save_state()
+        return False
+    finally:
+        bar.close()
 
 
 def set_seed(seed: int) -> None:

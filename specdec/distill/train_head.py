@@ -20,19 +20,17 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from specdec.distill.data import epoch_batches, load_dir, load_shard, split_holdout
 from specdec.distill.evaluate_head import chain_summary, head_chains, target_features
 from specdec.distill.head import DraftHead, HeadConfig, num_parameters, save_head
-from specdec.distill.train import lr_at, make_batch
+from specdec.distill.train import lr_at, make_batch, run_schedule
 
 log = logging.getLogger(__name__)
 
@@ -195,30 +193,9 @@ class HeadTrainer:
         if cfg.max_steps <= 0 and cfg.time_budget_s <= 0:
             raise ValueError("give max_steps, or max_steps=0 with a time budget")
         self.head.train()
-        start = time.time() - self.elapsed
-        bar = tqdm(total=cfg.max_steps or None, initial=self.step, desc="train-head", mininterval=5)
-        batches = self._batches()
-        while cfg.max_steps <= 0 or self.step < cfg.max_steps:
-            if cfg.stop_at_step and self.step >= cfg.stop_at_step:
-                self._save_state()
-                return {"step": self.step, "stopped": True}
-            if cfg.time_budget_s and time.time() - start > cfg.time_budget_s:
-                log.info("time budget reached at step %d", self.step)
-                break
-            stats = self.train_step(next(batches))
-            self.batch_in_epoch += 1
-            self.step += 1
-            self.elapsed = time.time() - start
-            bar.update(1)
-            if self.step % cfg.log_every == 0 or self.step == 1:
-                self._log({"step": self.step, "epoch": self.epoch, "tokens": self.tokens_seen,
-                           "elapsed_s": round(self.elapsed, 1), **stats})
-                bar.set_postfix({k: round(v["agree_train"], 3) for k, v in stats.items() if isinstance(v, dict)})
-            if cfg.eval_every and self.step % cfg.eval_every == 0:
-                self._log({"step": self.step, "tokens": self.tokens_seen, **self.evaluate()})
-            if cfg.save_every and self.step % cfg.save_every == 0:
-                self._save_state()
-        bar.close()
+        if run_schedule(self, cfg.max_steps, "train-head", self.evaluate):  # stopped at stop_at_step
+            self._save_state()
+            return {"step": self.step, "stopped": True}
         final = {"step": self.step, "tokens": self.tokens_seen, "elapsed_s": round(self.elapsed, 1),
                  **self.evaluate(), "final": True}
         self._log(final)

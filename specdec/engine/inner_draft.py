@@ -66,20 +66,20 @@ class _Drafting:
     def __init__(self, max_tokens: int, limit: Callable[[], int | None], length: DraftLength | None):
         # The fixed rule unless the caller gives another (the adaptive one: generation.inner_adaptive).
         self.length = length if length is not None else DraftLength(max_tokens, limit)
-        self._verified: tuple | None = None  # (block, outcome, steady) of the step just run
+        self._verified: tuple[DraftBlock, bool] | None = None  # (block, steady) of the step just run
 
     def _remember(self, asked: int, planned: int, block: DraftBlock, outcome: VerifyOutcome, steady: bool) -> None:
         self.length.kept(asked, planned, block.num_tokens, outcome)
-        self._verified = (block, outcome, steady)
+        self._verified = (block, steady)
 
     def stepped(self, step: StreamStep) -> None:
         verified, self._verified = self._verified, None
         if step.outcome is None or verified is None:
             self.length.plain(step.cost.model_ns * 1e-9)
             return
-        block, outcome, steady = verified
+        block, steady = verified
         draft_s = step.draft_cost.model_ns * 1e-9 if step.draft_cost is not None else 0.0
-        self.length.verified(block, outcome, draft_s, step.cost.model_ns * 1e-9, steady)
+        self.length.verified(block, step.outcome, draft_s, step.cost.model_ns * 1e-9, steady)
 
 
 class LookupDrafter(_Drafting):
@@ -131,8 +131,8 @@ class InnerDraftResult:
     block: DraftBlock  # what was verified (before the target's trimming, which the outcome tells)
     draft_ns: int  # the step's draft pass on the model thread (every row that drafted reports it whole)
     draft_tokens: list[int] | None  # the draft session's tokens after this step's Propose; None: none ran
+    planned: int  # the length the trimmer let it draft (before the draft's confidence stop)
     failed: Exception | None = None  # the draft failed: this step verified nothing
-    planned: int = 0  # the length the trimmer let it draft (before the draft's confidence stop)
 
 
 class ModelDrafter(_Drafting):
@@ -222,7 +222,7 @@ def run_inner_step(target: TargetEngine, trimmer: DraftTrimmer | None, drafts: D
         state = drafts.sessions.peek(works[i].session_id) if i in drafted_rows else None
         tokens = list(state.tokens) if state is not None else None
         results[i] = InnerDraftResult(results[i], blocks[i], draft_ns if i in drafted_rows else 0, tokens,
-                                      failed.get(i), planned[i])
+                                      planned[i], failed.get(i))
     return results
 
 
