@@ -25,3 +25,13 @@ def default_target_dir():
     from specdec.models.registry import DEFAULT_TARGET, resolve_model
 
     return resolve_model(DEFAULT_TARGET)
+
+
+def pytest_runtest_logreport(report):
+    """A failure's report goes to stderr at once, not only in the summary at the end: a process that
+    dies later (a native crash in another test) still leaves the reason in the CI log."""
+    if report.failed:
+        import sys
+
+        sys.stderr.write(f"\n--- FAILED {report.nodeid} ({report.when}) ---\n{report.longreprtext[-6000:]}\n")
+        sys.stderr.flush()
