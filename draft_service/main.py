@@ -51,6 +51,7 @@ class DraftServiceSettings:
     num_slots: int = 8
     max_context: int | None = None
     top_m: int = 64
+    copy_below: float = 0.5  # copy from the session's text where the draft is this unsure (copy_guess.py)
     # Reduced output head: "auto" (the checkpoint's recommendation, on CPU), None (full) or N rows.
     head_vocab: int | str | None = "auto"
     ngram_max: int = 3
@@ -70,6 +71,8 @@ class DraftServiceSettings:
         service.check_model_settings(self.num_slots, self.max_context, self.session_ttl_s)
         if self.top_m < 0:
             raise ConfigError(f"--top-m must be >= 0 (0 = the full distribution), got {self.top_m}")
+        if not 0.0 <= self.copy_below <= 1.0:  # also refuses NaN
+            raise ConfigError(f"--copy-below must be in [0, 1] (0 = never copy), got {self.copy_below}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ConfigError(f"need 1 <= --ngram-min <= --ngram-max, got {self.ngram_min}, {self.ngram_max}")
         if not 1 <= self.num_draft_tokens <= self.max_draft_tokens:
@@ -90,6 +93,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "for ngram pass the target's)")
     g.add_argument("--top-m", type=int, default=64,
                    help="entries of each draft distribution kept and sent (0 = all)")
+    g.add_argument("--copy-below", type=float, default=0.5,
+                   help="where the draft model's probability of its most likely next token is below this, draft "
+                        "what followed the same 3 tokens earlier in the session instead (copying from the prompt "
+                        "and the answer so far; still lossless); 0 = never")
     g.add_argument("--head-vocab", type=parse_head_vocab, default=env("SPECDEC_DRAFT_HEAD_VOCAB", "auto"),
                    help="score only the draft's N most frequent tokens (its head_vocab.json) and the session's "
                         "own context tokens: a cheaper draft step, still lossless. 'auto' (default): the size the "
@@ -109,7 +116,7 @@ def settings_from_args(args: argparse.Namespace) -> DraftServiceSettings:
     return DraftServiceSettings(
         server=server_settings_from_args(args, service=SERVICE),
         proposer=args.proposer, model=args.model, tokenizer=args.tokenizer, top_m=args.top_m,
-        head_vocab=args.head_vocab,
+        copy_below=args.copy_below, head_vocab=args.head_vocab,
         ngram_max=args.ngram_max, ngram_min=args.ngram_min, num_draft_tokens=args.num_draft_tokens,
         max_draft_tokens=args.max_draft_tokens, test_delay_ms=args.test_delay_ms,
         batching=service.batch_settings_from_args(args), **service.model_settings_from_args(args),
@@ -135,6 +142,7 @@ def build_engine(settings: DraftServiceSettings):
         top_m = None
     else:
         from specdec.models.loader import load_model
+        from specdec.proposers.copy_guess import CopyRule
         from specdec.proposers.draft_model import DraftModelProposer
 
         log.info("loading draft model %s from %s", settings.model, model_dir)
@@ -142,7 +150,7 @@ def build_engine(settings: DraftServiceSettings):
                            num_slots=settings.num_slots, max_context=settings.max_context, name=settings.model,
                            head_vocab=settings.head_vocab, cuda_graphs=settings.cuda_graphs, compile_layers=settings.compile_layers,
                        graph_warmup_context=settings.graph_warmup_context)
-        proposer = DraftModelProposer(model, top_m=settings.top_m)
+        proposer = DraftModelProposer(model, top_m=settings.top_m, copy=CopyRule(settings.copy_below))
         info, top_m = model.info, settings.top_m
     engine = DraftEngine(proposer, idle_ttl_s=settings.session_ttl_s, max_draft_tokens=settings.max_draft_tokens)
     if settings.test_delay_ms > 0:  # begin_propose: every Propose passes it, batched or not

@@ -54,6 +54,7 @@ class TargetServiceSettings:
     # registry name or HF directory; None: none. Loaded like the target (backend, device, dtype, slots).
     inner_draft: str | None = None
     inner_draft_head_vocab: int | str | None = "auto"  # as the draft service's --head-vocab
+    inner_draft_copy_below: float = 0.5  # as the draft service's --copy-below
 
     def __post_init__(self) -> None:
         service.check_model_settings(self.num_slots, self.max_context, self.session_ttl_s)
@@ -61,6 +62,9 @@ class TargetServiceSettings:
             raise ConfigError(f"--max-draft-tokens must be >= 1, got {self.max_draft_tokens}")
         if not 0.0 <= self.trim_margin <= 10.0:  # also refuses NaN
             raise ConfigError(f"--trim-margin must be in [0, 10], got {self.trim_margin}")
+        if not 0.0 <= self.inner_draft_copy_below <= 1.0:  # also refuses NaN
+            raise ConfigError(f"--inner-draft-copy-below must be in [0, 1] (0 = never copy), "
+                              f"got {self.inner_draft_copy_below}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -87,6 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "drafts and verifies here, with no draft service and no round trip per cycle")
     g.add_argument("--inner-draft-head-vocab", type=parse_head_vocab, default="auto",
                    help="the hosted draft's output head, as the draft service's --head-vocab")
+    g.add_argument("--inner-draft-copy-below", type=float, default=0.5,
+                   help="the hosted draft copies from the session's text where it is this unsure, as the draft "
+                        "service's --copy-below (0 = never)")
     g.add_argument("--trim-margin", type=float, default=0.0,
                    help="goodput trimming: let drafts through only if they raise the step's expected tokens "
                         "per second by this share over plain decoding (e.g. 0.2 on CPUs, where a drafted "
@@ -100,6 +107,7 @@ def settings_from_args(args: argparse.Namespace) -> TargetServiceSettings:
         max_draft_tokens=args.max_draft_tokens, test_fault=args.test_fault, test_delay_ms=args.test_delay_ms,
         batching=service.batch_settings_from_args(args), trim_drafts=args.draft_trimming == "goodput",
         trim_margin=args.trim_margin, inner_draft=args.inner_draft, inner_draft_head_vocab=args.inner_draft_head_vocab,
+        inner_draft_copy_below=args.inner_draft_copy_below,
         **service.model_settings_from_args(args),
     )
 
@@ -153,6 +161,7 @@ def load_inner_draft(settings: TargetServiceSettings, tokenizer):
     from specdec.engine.draft import DraftEngine
     from specdec.models.loader import load_model
     from specdec.models.registry import resolve_model
+    from specdec.proposers.copy_guess import CopyRule
     from specdec.proposers.draft_model import DraftModelProposer
 
     draft_dir = resolve_model(settings.inner_draft)
@@ -163,7 +172,7 @@ def load_inner_draft(settings: TargetServiceSettings, tokenizer):
                        num_slots=settings.num_slots, max_context=settings.max_context, name=settings.inner_draft,
                        head_vocab=settings.inner_draft_head_vocab, cuda_graphs=settings.cuda_graphs,
                        graph_warmup_context=settings.graph_warmup_context)
-    return DraftEngine(DraftModelProposer(model), idle_ttl_s=settings.session_ttl_s,
+    return DraftEngine(DraftModelProposer(model, copy=CopyRule(settings.inner_draft_copy_below)), idle_ttl_s=settings.session_ttl_s,
                        max_draft_tokens=settings.max_draft_tokens)
 
 

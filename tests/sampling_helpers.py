@@ -9,6 +9,7 @@ import hashlib
 import pytest
 import torch
 
+from specdec.proposers.copy_guess import CopyIndex, CopyRule, copied_token
 from specdec.sampling.draft import draft_confidence, pack_sparse, sample_draft_token
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.verify import sample_next, verify_block
@@ -63,13 +64,19 @@ def point_proposer(salt: str, vocab_size: int):
 
 
 def draft_block(draft_logits, prefix: tuple[int, ...], k: int, params: SamplingParams,
-                top_m: int = 0, proposer=None, stop_below: float = 0.0) -> DraftBlock:
+                top_m: int = 0, proposer=None, stop_below: float = 0.0, copy: CopyRule | None = None,
+                copy_decides_on_the_sample: bool = False) -> DraftBlock:
     """Draft k tokens after `prefix` (position len(prefix) onwards) with sample_draft_token, or
     with a point-mass `proposer` when given. stop_below: stop after the token at which the product
-    of the draft's confidences falls below it (DraftModelProposer's dynamic draft length)."""
+    of the draft's confidences falls below it (DraftModelProposer's dynamic draft length). copy:
+    DraftModelProposer's copy rule (copy_guess.py) over `prefix`, the committed sequence;
+    copy_decides_on_the_sample: the wrong rule, deciding on the sampled token's probability."""
     tokens: list[int] = []
     rows = []
     survival = 1.0
+    index = CopyIndex(copy.ngram) if copy is not None else None
+    if index is not None:
+        index.sync(prefix)
     for i in range(k):
         context = prefix + tuple(tokens)
         if proposer is not None:
@@ -77,6 +84,13 @@ def draft_block(draft_logits, prefix: tuple[int, ...], k: int, params: SamplingP
             continue
         logits = draft_logits(context)
         token, ids, probs = sample_draft_token(logits, params, len(prefix) + i, top_m)
+        if index is not None:
+            top = draft_confidence(logits, token, ids, probs, params.greedy) if params.greedy else float(probs.max())
+            if copy_decides_on_the_sample:
+                top = float(probs[ids == token].sum())
+            copied = copied_token(copy, index, context, top)
+            if copied is not None:
+                token, ids, probs = copied, torch.tensor([copied]), torch.tensor([1.0])
         tokens.append(token)
         rows.append((ids, probs))
         survival *= draft_confidence(logits, token, ids, probs, params.greedy)

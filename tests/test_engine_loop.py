@@ -14,6 +14,7 @@ from specdec.engine.target import TargetEngine
 from specdec.generation.loop import LoopSettings, generate
 from specdec.generation.stopping import FinishReason, StopChecker
 from specdec.models.loader import load_model
+from specdec.proposers.copy_guess import CopyRule
 from specdec.proposers.draft_model import DraftModelProposer
 from specdec.proposers.ngram import NgramProposer
 from specdec.sampling.params import SamplingMode, SamplingParams
@@ -41,7 +42,9 @@ def draft_engine(kind: str, dirs) -> DraftEngine | None:
     if kind == "ngram":
         return DraftEngine(NgramProposer())
     path = dirs["target"] if kind == "same" else dirs["random"]
-    return DraftEngine(DraftModelProposer(load_model(path, backend="native", num_slots=4, max_context=256)))
+    # "copy": the random draft copying from the sequence wherever it can (copy_guess.py)
+    copy = CopyRule(below=1.0, ngram=2) if kind == "copy" else None
+    return DraftEngine(DraftModelProposer(load_model(path, backend="native", num_slots=4, max_context=256), copy=copy))
 
 
 def run(target: TargetEngine, draft: DraftEngine | None, prompt, params, max_new_tokens=40, k=4, eos=(),
@@ -74,7 +77,7 @@ def hf_greedy(path, prompt, max_new_tokens):
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("kind", ["random", "same", "ngram"])
+@pytest.mark.parametrize("kind", ["random", "same", "ngram", "copy"])
 def test_greedy_equals_plain_decoding(tiny_dirs, kind):
     target = target_engine(tiny_dirs["target"])
     draft = draft_engine(kind, tiny_dirs)
@@ -96,7 +99,7 @@ def test_plain_decoding_equals_transformers_greedy(tiny_dirs):
         assert plain.token_ids == hf_greedy(tiny_dirs["target"], prompt, 24)
 
 
-@pytest.mark.parametrize("kind", ["random", "same", "ngram"])
+@pytest.mark.parametrize("kind", ["random", "same", "ngram", "copy"])
 def test_gumbel_sampling_equals_plain_sampling_token_for_token(tiny_dirs, kind):
     target = target_engine(tiny_dirs["target"])
     draft = draft_engine(kind, tiny_dirs)

@@ -20,6 +20,8 @@ from collections import defaultdict
 import pytest
 import torch
 
+import sampling_helpers
+from specdec.proposers.copy_guess import CopyRule, copied_token
 from specdec.sampling import rng, verify
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.rng import Stream
@@ -238,6 +240,45 @@ def test_a_draft_stopped_by_its_confidence_keeps_target_probabilities(monkeypatc
     assert len(lengths) > 1, "the threshold must stop some drafts early and not others"
     assert sum(speculative.values()) == pytest.approx(1.0, abs=1e-9)
     assert _max_difference(speculative, plain_distribution(target, params, length)) < 1e-6
+
+
+def _copying(monkeypatch, rule: CopyRule, on_the_sample: bool = False) -> list:
+    """Make this module's draft_block apply `rule`; returns the list of the rule's verdicts."""
+    verdicts = []
+
+    def recording(*args, **kwargs):
+        verdict = copied_token(*args, **kwargs)
+        verdicts.append(verdict)
+        return verdict
+
+    monkeypatch.setattr(sampling_helpers, "copied_token", recording)
+    monkeypatch.setitem(globals(), "draft_block", functools.partial(
+        sampling_helpers.draft_block, copy=rule, copy_decides_on_the_sample=on_the_sample))
+    return verdicts
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[7], CASES[12]], ids=lambda case: case[0])
+def test_a_draft_that_copies_where_it_is_unsure_keeps_target_probabilities(monkeypatch, case):
+    """The copy rule (specdec.proposers.copy_guess): where the draft's most likely token has less
+    than `below`, a token copied from the sequence is proposed as a point mass instead. Decided on
+    the draft's distribution only, so every sequence keeps exactly the target's probability."""
+    name, vocab, k, length, params, kind, top_m = case
+    oracle, target, draft_logits, proposer = _setup(monkeypatch, name, vocab, params, kind)
+    verdicts = _copying(monkeypatch, CopyRule(below=0.7, ngram=1))
+    speculative = speculative_distribution(oracle, target, draft_logits, params, k, length, top_m, proposer)
+    assert any(v is not None for v in verdicts) and any(v is None for v in verdicts), "the rule must copy sometimes"
+    assert sum(speculative.values()) == pytest.approx(1.0, abs=1e-9)
+    assert _max_difference(speculative, plain_distribution(target, params, length)) < 1e-6
+
+
+def test_enumeration_detects_a_copy_decided_on_the_sampled_token(monkeypatch):
+    """The check has teeth: copying when the sampled token (not the most likely one) was unlikely
+    keeps only likely draws under the distribution sent, and biases the output."""
+    name, vocab, k, length, params, kind, top_m = CASES[0]
+    oracle, target, draft_logits, proposer = _setup(monkeypatch, name, vocab, params, kind)
+    _copying(monkeypatch, CopyRule(below=0.5, ngram=1), on_the_sample=True)
+    speculative = speculative_distribution(oracle, target, draft_logits, params, k, length, top_m, proposer)
+    assert _max_difference(speculative, plain_distribution(target, params, length)) > 1e-3
 
 
 def test_enumeration_detects_a_wrong_residual(monkeypatch):

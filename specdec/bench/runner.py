@@ -153,6 +153,7 @@ class Bench:
         from specdec.engine.draft import DraftEngine
         from specdec.engine.target import TargetEngine
         from specdec.models.loader import load_model
+        from specdec.proposers.copy_guess import CopyRule
         from specdec.proposers.draft_model import DraftModelProposer
         from specdec.proposers.ngram import NgramProposer
 
@@ -167,7 +168,8 @@ class Bench:
         if self.draft_dir is not None:
             # The draft service's default head ("auto": reduced on CPU), so t_draft is what it pays.
             self.inproc_models["draft"] = load(self.draft_dir, c.draft_device or c.device, head_vocab="auto")
-            drafts["draft-model"] = DraftEngine(DraftModelProposer(self.inproc_models["draft"], top_m=0))
+            drafts["draft-model"] = DraftEngine(DraftModelProposer(self.inproc_models["draft"], top_m=0,
+                                                                     copy=CopyRule()))
         plain = InProcessPlain(target, self.eos)
         if "plain-inproc" in self.methods:
             self.runners["plain-inproc"] = plain

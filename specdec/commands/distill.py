@@ -105,6 +105,9 @@ def add_subcommands(parser: argparse.ArgumentParser) -> None:
                         "draft's head_vocab.json unless --head-data), alone and with the session's context tokens")
     v.add_argument("--head-data", default=None, help="shards whose answer-token counts pick the reduced head")
     v.add_argument("--head-out", default=None, help="write each reduced head's token ids to PREFIX.N.json")
+    v.add_argument("--copy-below", type=float, default=None,
+                   help="also score each head with the services' copy rule at this threshold (their default: "
+                        "0.5): where the draft is unsure, the token that followed the same 3 tokens earlier")
     v.add_argument("--json-out", default=None)
     _device_args(v, default_dtype="float32")
     v.set_defaults(func=_evaluate)
@@ -255,12 +258,15 @@ def _evaluate(args) -> int:
 
     from specdec.distill.data import load_dir, load_shard
     from specdec.distill.evaluate import head_vocab, match_vectors, summarize
-
     from specdec.models.registry import resolve_model
+    from specdec.proposers.copy_guess import CopyRule
 
     draft = AutoModelForCausalLM.from_pretrained(resolve_model(args.draft), dtype=_dtype(args.dtype)).to(args.device)
     records = load_shard(args.eval)
+    copy = CopyRule(args.copy_below) if args.copy_below else None
     result = {"full_head": summarize(records, match_vectors(draft, records, args.device), args.k)}
+    if copy is not None:
+        result["full_head+copy"] = summarize(records, match_vectors(draft, records, args.device, copy=copy), args.k)
     source = (load_dir(args.head_data) if args.head_data else records) if args.head_vocab else []
     listing = resolve_model(args.draft) / "head_vocab.json"
     for size in args.head_vocab:
@@ -272,6 +278,9 @@ def _evaluate(args) -> int:
         result[f"head_{size}"]["train_coverage"] = round(coverage, 4)
         result[f"head_{size}+context"] = summarize(
             records, match_vectors(draft, records, args.device, head_ids=ids, context=True), args.k)
+        if copy is not None:  # as the services draft by default on CPU
+            result[f"head_{size}+context+copy"] = summarize(
+                records, match_vectors(draft, records, args.device, head_ids=ids, context=True, copy=copy), args.k)
         if args.head_out:
             with open(f"{args.head_out}.{size}.json", "w") as f:
                 json.dump({"token_ids": ids.tolist(), "coverage": coverage}, f)

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from specdec.distill.data import Record
+from specdec.proposers.copy_guess import CopyIndex, CopyRule, copied_token
 
 
 @torch.no_grad()
@@ -25,6 +26,7 @@ def match_vectors(
     draft: torch.nn.Module, records: list[Record], device: str, batch_tokens: int = 32768,
     head_ids: torch.Tensor | None = None,  # [N] token ids the draft may propose (reduced head); None: all
     context: bool = False,  # with head_ids: also every token already in the sequence (the proposer's rule)
+    copy: CopyRule | None = None,  # DraftModelProposer's copy rule (specdec.proposers.copy_guess)
 ) -> list[np.ndarray]:
     """Per record, a bool array over answer tokens: draft argmax == the target's token."""
     draft.eval()
@@ -57,33 +59,54 @@ def match_vectors(
             h = hidden[row, r.prompt_len - 1:len(r.tokens) - 1].float()  # predicts the answer tokens
             scores = h @ sub.float().T
             pred = scores.argmax(-1)
+            # The best score and the log-sum-exp of every column the draft scores: its confidence.
+            best, total = scores.max(-1).values, torch.logsumexp(scores, -1)
             if head_ids is not None:
                 pred = head_ids.to(pred.device)[pred]
                 if context:
-                    pred = _with_context(pred, scores.max(-1).values, h, head, head_ids, r)
+                    pred, best, total = _with_context(pred, best, total, h, head, head_ids, r)
+            if copy is not None:
+                pred = _with_copy(pred.cpu(), torch.exp(best - total).cpu(), copy, r)
             out[i] = (pred.cpu().numpy() == r.tokens[r.prompt_len:])
     return out
 
 
-def _with_context(pred: torch.Tensor, best: torch.Tensor, h: torch.Tensor, head: torch.Tensor,
-                  head_ids: torch.Tensor, r: Record) -> torch.Tensor:
+def _with_copy(pred: torch.Tensor, top: torch.Tensor, copy: CopyRule, r: Record) -> torch.Tensor:
+    """The copy rule over teacher-forced predictions: at each answer position whose most likely
+    token has probability `top` below the rule's threshold, the token that followed the latest
+    earlier occurrence of the preceding n-gram, if any (greedy: the context is the target's text)."""
+    index = CopyIndex(copy.ngram)
+    index.sync(r.tokens[:r.prompt_len].tolist())
+    pred = pred.clone()
+    for j, token in enumerate(r.tokens[r.prompt_len:].tolist()):
+        copied = copied_token(copy, index, index.tokens[-copy.ngram:], float(top[j]))
+        if copied is not None:
+            pred[j] = copied
+        index.append(token)
+    return pred
+
+
+def _with_context(pred: torch.Tensor, best: torch.Tensor, total: torch.Tensor, h: torch.Tensor,
+                  head: torch.Tensor, head_ids: torch.Tensor, r: Record) -> tuple[torch.Tensor, torch.Tensor]:
     """The argmax over the reduced head plus the tokens already in the sequence before each answer
     position (specdec.proposers.draft_model's context rows): a token first seen at index f is
-    available to the predictions of positions after f."""
+    available to the predictions of positions after f. Returns the predictions, and `best` and
+    `total` (the head's best score and log-sum-exp) with those context columns added."""
     tokens = torch.from_numpy(r.tokens.astype(np.int64))
     outside = ~torch.isin(tokens, head_ids.cpu())
     first: dict[int, int] = {}  # token -> sequence index where it first appears
     for index, token in zip(torch.nonzero(outside).flatten().tolist(), tokens[outside].tolist()):
         first.setdefault(token, index)
     if not first:
-        return pred
+        return pred, best, total
     ids = torch.tensor(list(first), device=h.device)
     first_seen = torch.tensor(list(first.values()), device=h.device)  # [U]
     scores = h @ head[ids].float().T  # [n, U]
     predicted_at = torch.arange(r.prompt_len, len(r.tokens), device=h.device)  # sequence index of each answer token
     scores = scores.masked_fill(first_seen[None, :] >= predicted_at[:, None], float("-inf"))
     extra_best, extra_arg = scores.max(-1)
-    return torch.where(extra_best > best, ids[extra_arg], pred)
+    return (torch.where(extra_best > best, ids[extra_arg], pred), torch.maximum(best, extra_best),
+            torch.logaddexp(total, torch.logsumexp(scores, -1)))
 
 
 class _null:

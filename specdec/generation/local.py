@@ -24,6 +24,7 @@ from specdec.models.tokenizer import (
     eos_token_ids,
     load_tokenizer,
 )
+from specdec.proposers.copy_guess import CopyRule
 from specdec.proposers.draft_model import DraftModelProposer
 from specdec.proposers.ngram import NgramProposer
 from specdec.sampling.params import SamplingParams
@@ -44,6 +45,7 @@ class LocalSettings:
     pipelining: bool = False  # pipelined cycles (specdec.generation.pipeline); no overlap in one process
     pipeline_branches: int = 1  # branches per speculative draft (specdec.engine.alternatives)
     top_m: int = 64
+    copy_below: float = 0.5  # the draft copies from the session's text where this unsure (copy_guess.py)
     draft_head_vocab: int | str | None = "auto"  # reduced draft output head (specdec.models.loader)
 
 
@@ -67,7 +69,7 @@ def build_proposer(draft: str, settings: LocalSettings, target_tokenizer) -> obj
     model = load_model(draft_dir, backend=settings.backend, device=settings.device, dtype=settings.dtype,
                        head_vocab=settings.draft_head_vocab, cuda_graphs=settings.cuda_graphs,
                        num_slots=settings.num_slots, max_context=settings.max_context)
-    return DraftModelProposer(model, top_m=settings.top_m)
+    return DraftModelProposer(model, top_m=settings.top_m, copy=CopyRule(settings.copy_below))
 
 
 class LocalSystem:

@@ -16,6 +16,7 @@ from typing import Collection, Sequence
 from specdec.errors import CacheFull, InvalidArgument
 from specdec.models.base import CausalLM, ModelInfo
 from specdec.proposers.base import NextTokens
+from specdec.proposers.copy_guess import CopyIndex, CopyRule, copied_token
 from specdec.sampling.draft import draft_confidence, pack_sparse, sample_draft_token
 from specdec.sampling.params import SamplingParams
 from specdec.types import DraftBlock
@@ -33,6 +34,7 @@ class _DraftSlot:
     context_ids: list[int] = field(default_factory=list)
     context_scanned: list[int] = field(default_factory=list)  # the sequence they were collected from
     context_tensor: torch.Tensor | None = None
+    copy_index: CopyIndex | None = None  # with a CopyRule: the session's n-grams (copy_guess.py)
 
 
 # propose()'s arguments, optionally followed by stop_below (see propose()).
@@ -82,11 +84,14 @@ class _Drafting:
 class DraftModelProposer:
     name = "draft-model"
 
-    def __init__(self, model: CausalLM, top_m: int = 64):
+    def __init__(self, model: CausalLM, top_m: int = 64, copy: CopyRule | None = None):
+        """copy: where the draft is unsure, propose what followed the same n-gram earlier in the
+        session instead (copy_guess.py); None or a threshold of 0: never."""
         if top_m < 0:
             raise InvalidArgument(f"top_m must be >= 0 (0 = full distribution), got {top_m}")
         self.model = model
         self.top_m = top_m
+        self.copy = copy if copy is not None and copy.below > 0 else None
         self._head: torch.Tensor | None = getattr(model, "head_token_ids", None)  # reduced head ids, or None
         self._in_head: list[bool] = []
         if self._head is not None:
@@ -165,6 +170,7 @@ class DraftModelProposer:
         branch = _DraftSlot(f"{state.session_id}\x00branch{next(self._branch_ids)}")
         branch.context_ids, branch.context_scanned = list(state.context_ids), list(state.context_scanned)
         branch.context_tensor = state.context_tensor  # replaced, never written in place
+        # branch.copy_index stays None: built from the branch's own sequence when first drafted.
         self._open[branch.session_id] = branch
         branch.slot = self.model.allocate()
         if state.slot is not None:
@@ -211,6 +217,10 @@ class DraftModelProposer:
                 cached = len(d.token_ids) - 1
                 self.model.truncate(d.state.slot, cached)
             d.feed = list(d.token_ids[cached:])
+            if self.copy is not None:
+                if d.state.copy_index is None:
+                    d.state.copy_index = CopyIndex(self.copy.ngram)
+                d.state.copy_index.sync(d.token_ids)
         for _ in range(max(d.num_tokens for d in rows)):
             active = [d for d in rows if len(d.drafted) < d.num_tokens]
             if not active:  # every row stopped early on its confidence
@@ -224,7 +234,18 @@ class DraftModelProposer:
                 token, ids, probs = sample_draft_token(full, d.params, position, self.top_m)
                 if d.num_ranked and not d.drafted:
                     d.ranked = torch.topk(full, min(d.num_ranked, full.numel())).indices.tolist()
-                d.add(token, ids, probs, draft_confidence(row_logits[-1], token, ids, probs, d.params.greedy))
+                confidence = draft_confidence(row_logits[-1], token, ids, probs, d.params.greedy)
+                copied = self._copied(d, confidence if d.params.greedy else float(probs.max()))
+                if copied is not None:
+                    token, ids, probs, confidence = copied, torch.tensor([copied]), torch.tensor([1.0]), \
+                        self.copy.confidence
+                d.add(token, ids, probs, confidence)
+
+    def _copied(self, d: _Drafting, top_probability: float) -> int | None:
+        if self.copy is None:
+            return None
+        tail = [*d.token_ids[-self.copy.ngram:], *d.drafted][-self.copy.ngram:]
+        return copied_token(self.copy, d.state.copy_index, tail, top_probability)
 
     def _full_vocab(self, logits: torch.Tensor, context_ids: torch.Tensor | None) -> torch.Tensor:
         """A reduced head scores only its own ids and the session's context ids; every other token
