@@ -35,3 +35,42 @@ def pytest_runtest_logreport(report):
 
         sys.stderr.write(f"\n--- FAILED {report.nodeid} ({report.when}) ---\n{report.longreprtext[-6000:]}\n")
         sys.stderr.flush()
+
+
+HUNG_AFTER_S = 240  # no test of the default suite takes half of this alone
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """A test still running after HUNG_AFTER_S prints every thread's stack and every pending asyncio
+    task's (an await with no timeout shows only an idle event loop in a thread dump)."""
+    import threading
+
+    timer = threading.Timer(HUNG_AFTER_S, _dump_pending, args=(item.nodeid,))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def _dump_pending(nodeid: str) -> None:
+    import asyncio
+    import faulthandler
+    import sys
+
+    sys.stderr.write(f"\n--- {nodeid} still running after {HUNG_AFTER_S} s: threads, then pending tasks ---\n")
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    for _ in range(5):  # the set may change under us: it belongs to the test's thread
+        try:
+            tasks = [task for task in list(asyncio.tasks._all_tasks) if not task.done()]
+            break
+        except RuntimeError:
+            continue
+    else:
+        tasks = []
+    for task in tasks:
+        sys.stderr.write(f"\n{task!r}\n")
+        task.print_stack(limit=15, file=sys.stderr)
+    sys.stderr.flush()
