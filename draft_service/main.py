@@ -93,7 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "for ngram pass the target's)")
     g.add_argument("--top-m", type=int, default=64,
                    help="entries of each draft distribution kept and sent (0 = all)")
-    g.add_argument("--copy-below", type=float, default=0.5,
+    g.add_argument("--copy-below", type=float, default=float(env("SPECDEC_DRAFT_COPY_BELOW", "0.5")),
                    help="where the draft model's probability of its most likely next token is below this, draft "
                         "what followed the same 3 tokens earlier in the session instead (copying from the prompt "
                         "and the answer so far; still lossless); 0 = never")

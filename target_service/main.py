@@ -91,7 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "drafts and verifies here, with no draft service and no round trip per cycle")
     g.add_argument("--inner-draft-head-vocab", type=parse_head_vocab, default="auto",
                    help="the hosted draft's output head, as the draft service's --head-vocab")
-    g.add_argument("--inner-draft-copy-below", type=float, default=0.5,
+    g.add_argument("--inner-draft-copy-below", type=float, default=float(env("SPECDEC_INNER_DRAFT_COPY_BELOW", "0.5")),
                    help="the hosted draft copies from the session's text where it is this unsure, as the draft "
                         "service's --copy-below (0 = never)")
     g.add_argument("--trim-margin", type=float, default=0.0,

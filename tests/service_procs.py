@@ -39,9 +39,10 @@ def tiny_model_dir(base: Path, name: str, seed: int, vocab_size: int = 256) -> P
     return path
 
 
-def start_launcher(args: list[str], log_path: Path, timeout_s: float = 300.0):
-    """`specdec launch ARGS` in the background, as a user runs it. Returns (process, coordinator
-    address read from its log); stop it with SIGINT."""
+def start_launcher(args: list[str], log_path: Path, timeout_s: float = 300.0, env: dict | None = None):
+    """`specdec launch ARGS` in the background, as a user runs it, with `env` added to the
+    environment its services inherit. Returns (process, coordinator address read from its log);
+    stop it with SIGINT."""
     import subprocess
     import sys
     import time
@@ -49,7 +50,7 @@ def start_launcher(args: list[str], log_path: Path, timeout_s: float = 300.0):
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "launch", "--port", "0", *args],
                                 cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+                                env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     deadline = time.monotonic() + timeout_s
     while True:
         text = log_path.read_text()
