@@ -204,10 +204,11 @@ def test_cli_trains_and_evaluates_a_head(target_dir, data, tmp_path):
                          "--max-len", "64", "--eval-every", "0", "--device", "cpu", "--dtype", "float32"]) == 0
     result = tmp_path / "eval.json"
     assert distill_main(["evaluate-head", "--head", str(out / "head"), "--target", str(target_dir), "--eval",
-                         str(data / "eval.npz"), "--draft", str(target_dir), "--json-out", str(result),
+                         str(data / "eval.npz"), "--draft", str(target_dir), "--combine", "--json-out", str(result),
                          "--device", "cpu"]) == 0
     summary = json.loads(result.read_text())
-    assert set(summary) == {"head", "draft"}
+    assert set(summary) == {"head", "draft", "head+draft", "head+draft+copy"}
+    assert 0.0 <= summary["head+draft+copy"]["overall_tokens"]["acceptance_k4"] <= 1.0
     assert summary["draft"]["overall_tokens"]["acceptance_k4"] == 1.0  # the target as its own draft
     assert "alpha_4" in summary["head"]["qa"]
 
@@ -218,3 +219,26 @@ def test_cost_head_times_both_steps(target_dir, capsys):
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     for key in ("rows_all", "rows_64"):
         assert result[key]["head"]["median_ms"] > 0 and result[key]["target"]["median_ms"] > 0
+
+
+def test_the_more_confident_drafter_proposes_and_the_copy_rule_fills_in_where_both_are_unsure():
+    """specdec.distill.combined on hand-made predictions: prompt 1 2 3 1, answer 2 3 9 9 (the copy
+    rule has nothing after 3 1, which never occurred earlier; after 1 2 it guesses 3, after 2 3 it
+    guesses 1); k = 2 chained drafts per step."""
+    from specdec.distill.combined import combined_chains, copy_guesses
+    from specdec.proposers.copy_guess import CopyRule
+
+    record = Record(np.array([1, 2, 3, 1, 2, 3, 9, 9]), 4, "qa", "eval")
+    copy = CopyRule(below=0.5, ngram=2)
+    assert copy_guesses(record, copy).tolist() == [-1, 3, 1, -1]
+    # head: [n, k] chained drafts and confidences; draft: teacher-forced [n]
+    head = (np.array([[2, 7], [7, 9], [9, 9], [9, 0]]), np.array([[0.9, 0.9], [0.3, 0.3], [0.3, 0.3], [0.3, 0.3]]))
+    draft = (np.array([5, 3, 9, 8]), np.array([0.6, 0.4, 0.8, 0.2]))
+    [chains] = combined_chains([record], [head], [draft], 2)
+    # step at 0: head (0.9) says 2, right; draft 3 for index 1 (0.4) loses to head's 0.9 "7": wrong
+    # step at 1: draft 3 (0.4 > 0.3) right; then draft 9 (0.8) right. step at 2: draft 9 right; head 9 (0.3 > 0.2) right
+    # step at 3: head 9 (0.3 > 0.2) right; past the end: wrong
+    assert chains.tolist() == [[True, False], [True, True], [True, True], [True, False]]
+    [copied] = combined_chains([record], [head], [(np.array([5, 8, 9, 8]), np.array([0.1, 0.1, 0.8, 0.2]))], 2, copy)
+    # index 1: both unsure (0.3, 0.1), the copy rule's 3 is right; index 3: both unsure, no copy guess: head's 9
+    assert copied[1].tolist() == [True, True] and copied[3].tolist() == [True, False]

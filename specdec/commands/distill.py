@@ -164,6 +164,9 @@ def _add_head_subcommands(sub) -> None:
     e.add_argument("--eval", required=True, help="reference answers (make-eval)")
     e.add_argument("--k", type=int, default=4)
     e.add_argument("--draft", default=None, help="also a standalone draft through the same metrics (baseline)")
+    e.add_argument("--combine", action="store_true",
+                   help="with --draft: also the two drafting together, the more confident proposing, alone and "
+                        "with the copy rule (specdec.distill.combined)")
     e.add_argument("--json-out", default=None)
     _device_args(e, default_dtype="float32")
     e.set_defaults(func=_evaluate_head)
@@ -343,20 +346,29 @@ def _train_head(args) -> int:
 def _evaluate_head(args) -> int:
     from specdec.distill.data import load_shard
     from specdec.distill.evaluate import match_vectors
-    from specdec.distill.evaluate_head import baseline_chains, chain_summary, head_chains
+    from specdec.distill.evaluate_head import baseline_chains, chain_summary, chains_of, head_predictions
     from specdec.distill.head import load_head
     from specdec.distill.target import load_target
 
     target = load_target(args.target, args.device, _dtype(args.dtype))
     head = load_head(args.head).to(args.device, _dtype(args.dtype)).attach(target)
     records = load_shard(args.eval)
-    result = {"head": chain_summary(records, head_chains(head, target, records, args.k, args.device), args.k)}
+    head_preds = head_predictions(head, target, records, args.k, args.device)
+    result = {"head": chain_summary(records, chains_of(records, head_preds, args.k), args.k)}
     if args.draft:
         from transformers import AutoModelForCausalLM
 
         draft = AutoModelForCausalLM.from_pretrained(_resolved_draft(args.draft), dtype=_dtype(args.dtype))
         matches = match_vectors(draft.to(args.device), records, args.device)
         result["draft"] = chain_summary(records, baseline_chains(matches, args.k), args.k)
+        if args.combine:
+            from specdec.distill.combined import combined_chains, draft_predictions
+            from specdec.proposers.copy_guess import CopyRule
+
+            draft_preds = draft_predictions(draft, records, args.device)
+            for name, copy in (("head+draft", None), ("head+draft+copy", CopyRule())):
+                chains = combined_chains(records, head_preds, draft_preds, args.k, copy)
+                result[name] = chain_summary(records, chains, args.k)
     return _report(result, args.json_out)
 
 

@@ -58,12 +58,24 @@ def _length_batches(records: list[Record], batch_tokens: int) -> list[list[int]]
     return batches + ([current] if current else [])
 
 
-@torch.no_grad()
 def head_chains(head, target, records: list[Record], k: int, device: str,
                 batch_tokens: int = 16384) -> list[np.ndarray]:
     """Per record, chains [n, k] bool (module docstring) of the head drafting k tokens a step."""
+    return chains_of(records, head_predictions(head, target, records, k, device, batch_tokens), k)
+
+
+def chains_of(records: list[Record], predictions: list[tuple[np.ndarray, np.ndarray]], k: int) -> list[np.ndarray]:
+    """head_predictions' chained drafts compared with the reference: chains [n, k] per record."""
+    return [preds == reference_windows(r, k) for r, (preds, _) in zip(records, predictions)]
+
+
+@torch.no_grad()
+def head_predictions(head, target, records: list[Record], k: int, device: str,
+                     batch_tokens: int = 16384) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per record, the head's k chained drafts from every answer index, [n, k] token ids, and its
+    probability of each (the softmax's maximum), [n, k]."""
     head.eval()
-    out: list[np.ndarray] = [np.zeros((0, k), dtype=bool)] * len(records)
+    out: list[tuple[np.ndarray, np.ndarray]] = [(np.zeros((0, k), dtype=np.int64), np.zeros((0, k)))] * len(records)
     for idx in _length_batches(records, batch_tokens):
         width = max(len(records[i].tokens) for i in idx)
         ids = torch.zeros(len(idx), width + k - 1, dtype=torch.long)  # k-1 pad ids: the chains past the end
@@ -80,12 +92,19 @@ def head_chains(head, target, records: list[Record], k: int, device: str,
             if prompt < 2:
                 raise ValueError("a head needs at least 2 prompt tokens (one true feature before the answer)")
             bases = torch.arange(prompt - 2, prompt - 2 + n, device=device)
-            preds = torch.stack([head.logits(o[row, bases]).argmax(-1) for o in outputs], dim=1).cpu().numpy()
-            reference = np.full(n + k - 1, -1, dtype=np.int64)
-            reference[:n] = r.tokens[prompt:]
-            windows = np.lib.stride_tricks.sliding_window_view(reference, k)  # [n, k]: s[P+i+j]
-            out[i] = preds == windows
+            probs = [head.logits(o[row, bases]).float().softmax(-1).max(-1) for o in outputs]
+            out[i] = (torch.stack([p.indices for p in probs], dim=1).cpu().numpy(),
+                      torch.stack([p.values for p in probs], dim=1).cpu().numpy())
     return out
+
+
+def reference_windows(r: Record, k: int) -> np.ndarray:
+    """[n, k]: the reference token each of the k drafts of the step starting at answer index i must
+    equal, s[P+i+j] (-1 past the end)."""
+    n = len(r.tokens) - r.prompt_len
+    reference = np.full(n + k - 1, -1, dtype=np.int64)
+    reference[:n] = r.tokens[r.prompt_len:]
+    return np.lib.stride_tricks.sliding_window_view(reference, k)
 
 
 def baseline_chains(matches: list[np.ndarray], k: int) -> list[np.ndarray]:
