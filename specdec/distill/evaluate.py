@@ -86,8 +86,10 @@ def _with_copy(pred: torch.Tensor, top: torch.Tensor, copy: CopyRule, r: Record)
     return pred
 
 
-def _with_context(pred: torch.Tensor, best: torch.Tensor, total: torch.Tensor, h: torch.Tensor,
-                  head: torch.Tensor, head_ids: torch.Tensor, r: Record) -> tuple[torch.Tensor, torch.Tensor]:
+def _with_context(
+    pred: torch.Tensor, best: torch.Tensor, total: torch.Tensor, h: torch.Tensor, head: torch.Tensor,
+    head_ids: torch.Tensor, r: Record,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The argmax over the reduced head plus the tokens already in the sequence before each answer
     position (specdec.proposers.draft_model's context rows): a token first seen at index f is
     available to the predictions of positions after f. Returns the predictions, and `best` and
