@@ -38,10 +38,10 @@ from specdec.engine.batcher import Batcher, StepTiming
 from specdec.engine.draft import DraftEngine
 from specdec.engine.goodput import DraftTrimmer, run_trimmed_batch
 from specdec.engine.inner_draft import Drafter, InnerDraftResult, LookupDrafter, ModelDrafter, run_inner_step
-from specdec.generation.inner_adaptive import AdaptiveDraftLength
 from specdec.engine.target import TargetEngine
 from specdec.engine.target_stream import decode_step_stream, decode_steps
 from specdec.errors import InvalidArgument
+from specdec.generation.inner_adaptive import AdaptiveDraftLength
 from specdec.observability.metrics import TargetMetrics
 from specdec.observability.spans import SPECDEC_NUM_ACCEPTED, SPECDEC_NUM_DRAFT_TOKENS, SPECDEC_POSITION
 from specdec.rpc import target_pb2, target_pb2_grpc

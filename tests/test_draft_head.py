@@ -225,7 +225,8 @@ def test_the_more_confident_drafter_proposes_and_the_copy_rule_fills_in_where_bo
     """specdec.distill.combined on hand-made predictions: prompt 1 2 3 1, answer 2 3 9 9 (the copy
     rule has nothing after 3 1, which never occurred earlier; after 1 2 it guesses 3, after 2 3 it
     guesses 1); k = 2 chained drafts per step."""
-    from specdec.distill.combined import combined_chains, copy_guesses
+    from specdec.distill.combined import combined_chains
+    from specdec.distill.evaluate import copy_guesses
     from specdec.proposers.copy_guess import CopyRule
 
     record = Record(np.array([1, 2, 3, 1, 2, 3, 9, 9]), 4, "qa", "eval")

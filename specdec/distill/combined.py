@@ -17,8 +17,9 @@ import numpy as np
 import torch
 
 from specdec.distill.data import Record
+from specdec.distill.evaluate import copy_guesses
 from specdec.distill.evaluate_head import reference_windows
-from specdec.proposers.copy_guess import CopyIndex, CopyRule
+from specdec.proposers.copy_guess import CopyRule
 
 
 @torch.no_grad()
@@ -33,19 +34,6 @@ def draft_predictions(draft, records: list[Record], device: str) -> list[tuple[n
         best = probs.max(-1)
         out.append((best.indices.cpu().numpy(), best.values.cpu().numpy()))
     return out
-
-
-def copy_guesses(r: Record, copy: CopyRule) -> np.ndarray:
-    """[n]: the copy rule's token for each answer position (the reference text before it as the
-    sequence), -1 where the preceding n-gram never occurred before."""
-    index = CopyIndex(copy.ngram)
-    index.sync(r.tokens[:r.prompt_len].tolist())
-    guesses = np.full(len(r.tokens) - r.prompt_len, -1, dtype=np.int64)
-    for a, token in enumerate(r.tokens[r.prompt_len:].tolist()):
-        guess = index.guess(index.tokens[-copy.ngram:])
-        guesses[a] = -1 if guess is None else guess
-        index.append(token)
-    return guesses
 
 
 def combined_chains(records: list[Record], head: list[tuple[np.ndarray, np.ndarray]],

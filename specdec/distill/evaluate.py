@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from specdec.distill.data import Record
-from specdec.proposers.copy_guess import CopyIndex, CopyRule, copied_token
+from specdec.proposers.copy_guess import CopyIndex, CopyRule
 
 
 @torch.no_grad()
@@ -75,15 +75,21 @@ def _with_copy(pred: torch.Tensor, top: torch.Tensor, copy: CopyRule, r: Record)
     """The copy rule over teacher-forced predictions: at each answer position whose most likely
     token has probability `top` below the rule's threshold, the token that followed the latest
     earlier occurrence of the preceding n-gram, if any (greedy: the context is the target's text)."""
+    guesses = torch.from_numpy(copy_guesses(r, copy))
+    return torch.where((top < copy.below) & (guesses >= 0), guesses, pred)
+
+
+def copy_guesses(r: Record, copy: CopyRule) -> np.ndarray:
+    """[n]: the copy rule's token for each answer position (the reference text before it as the
+    sequence), -1 where the preceding n-gram never occurred before."""
     index = CopyIndex(copy.ngram)
     index.sync(r.tokens[:r.prompt_len].tolist())
-    pred = pred.clone()
-    for j, token in enumerate(r.tokens[r.prompt_len:].tolist()):
-        copied = copied_token(copy, index, index.tokens[-copy.ngram:], float(top[j]))
-        if copied is not None:
-            pred[j] = copied
+    guesses = np.full(len(r.tokens) - r.prompt_len, -1, dtype=np.int64)
+    for a, token in enumerate(r.tokens[r.prompt_len:].tolist()):
+        guess = index.guess(index.tokens[-copy.ngram:])
+        guesses[a] = -1 if guess is None else guess
         index.append(token)
-    return pred
+    return guesses
 
 
 def _with_context(
