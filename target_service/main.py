@@ -48,7 +48,8 @@ class TargetServiceSettings:
     test_fault: str | None = None  # TEST ONLY: TargetEngine(fault_injection=...), docs/CANARY.md
     test_delay_ms: int = 0  # TEST ONLY: every forward sleeps this long (a large target's flat step cost)
     batching: service.BatchSettings = service.BatchSettings()
-    trim_drafts: bool = True  # --draft-trimming goodput
+    trim_drafts: bool = True  # --draft-trimming goodput or step
+    trim_cycles: bool = True  # --draft-trimming goodput: also price a drafted session's cycle wall time
     trim_margin: float = 0.0  # --trim-margin: the goodput gain drafts must bring (DraftTrimmer.margin)
     # A draft model hosted here for DecodeStream's model_draft_tokens (specdec.engine.inner_draft):
     # registry name or HF directory; None: none. Loaded like the target (backend, device, dtype, slots).
@@ -81,10 +82,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "flat step cost of a large memory-bound target, on tiny test models)")
     service.add_model_arguments(g, num_slots_help="sessions whose KV caches fit at once")
     service.add_batching_arguments(g, what="Verify and Decode steps")
-    g.add_argument("--draft-trimming", choices=["goodput", "off"], default="goodput",
+    g.add_argument("--draft-trimming", choices=["goodput", "step", "off"], default="goodput",
                    help="goodput: verify only the drafted tokens that raise the batch's expected tokens per "
-                        "second (measured step cost and per-session acceptance), so that under load "
-                        "speculation never falls below plain decoding; off: verify every drafted token")
+                        "second (measured step cost and per-session acceptance), and, under load, none of a "
+                        "session whose drafts come from a draft service and whose cycles, round trips "
+                        "included, commit fewer tokens per second than plain decoding would, so that "
+                        "speculation never falls below plain decoding; step: the step's goodput only; "
+                        "off: verify every drafted token")
     g.add_argument("--inner-draft", default=env("SPECDEC_INNER_DRAFT") or None, metavar="MODEL",
                    help="also host this draft model (registry name or HF directory) on the target's device and "
                         "model thread, for coordinators started with --draft target:model: each streamed step "
@@ -105,7 +109,8 @@ def settings_from_args(args: argparse.Namespace) -> TargetServiceSettings:
     return TargetServiceSettings(
         server=server_settings_from_args(args, service=SERVICE), model=args.model,
         max_draft_tokens=args.max_draft_tokens, test_fault=args.test_fault, test_delay_ms=args.test_delay_ms,
-        batching=service.batch_settings_from_args(args), trim_drafts=args.draft_trimming == "goodput",
+        batching=service.batch_settings_from_args(args), trim_drafts=args.draft_trimming != "off",
+        trim_cycles=args.draft_trimming == "goodput",
         trim_margin=args.trim_margin, inner_draft=args.inner_draft, inner_draft_head_vocab=args.inner_draft_head_vocab,
         inner_draft_copy_below=args.inner_draft_copy_below,
         **service.model_settings_from_args(args),
@@ -121,7 +126,8 @@ async def serve_target(settings: TargetServiceSettings, engine, tokenizer, trace
 
     def build_servicer(executor, registry) -> TargetServicer:
         return TargetServicer(engine, executor, TargetMetrics(registry), tokenizer, settings.max_draft_tokens,
-                              settings.batching, settings.trim_drafts, settings.trim_margin, inner_draft)
+                              settings.batching, settings.trim_drafts, settings.trim_margin, inner_draft,
+                              trim_cycles=settings.trim_cycles)
 
     await service.serve_model_service(
         settings.server, build_servicer, target_pb2_grpc.add_TargetServiceServicer_to_server, TARGET_SERVICE_NAME,

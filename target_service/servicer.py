@@ -78,6 +78,7 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
         trim_drafts: bool = False,
         trim_margin: float = 0.0,
         inner_draft: DraftEngine | None = None,
+        trim_cycles: bool = True,
     ):
         self.engine = engine
         self.executor = executor
@@ -89,7 +90,7 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
         # With trim_drafts, each step verifies only the drafted tokens that raise the batch's
         # expected tokens per second (specdec.engine.goodput), so load never makes speculation
         # slower than plain decoding; without, every drafted token is verified.
-        self.trimmer = DraftTrimmer(margin=trim_margin) if trim_drafts else None
+        self.trimmer = DraftTrimmer(margin=trim_margin, price_cycles=trim_cycles) if trim_drafts else None
         step = functools.partial(run_trimmed_batch, engine, self.trimmer) if trim_drafts \
             else functools.partial(run_target_batch, engine)
         # The draft model this service hosts (--inner-draft) for DecodeStream's model_draft_tokens: its
@@ -103,6 +104,7 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
         self._streams: dict[str, _Stream] = {}  # session -> its DecodeStream in progress
         self._evictions_seen = engine.evictions
         self._trimmed_seen = 0
+        self._refusals_seen = 0
         self.update_gauges()
 
     # ---- RPCs ------------------------------------------------------------------------------
@@ -135,7 +137,8 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
             )
         rows = request.draft_distributions if request.HasField("draft_distributions") else None
         block = unpack_distributions(rows, request.draft_token_ids)
-        outcome, timing = await self.batcher.submit_timed(VerifyWork(request.session_id, request.position, block))
+        work = VerifyWork(request.session_id, request.position, block, drafted_elsewhere=True)
+        outcome, timing = await self.batcher.submit_timed(work)
         annotate(**{SPECDEC_NUM_ACCEPTED: outcome.num_accepted,
                     "specdec.next_token_kind": "bonus" if outcome.is_bonus else "recovered"})
         response = verify_outcome_to_proto(outcome, request.draft_epoch)
@@ -321,6 +324,10 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
         if self.trimmer is not None and self.trimmer.trimmed_tokens > self._trimmed_seen:
             self.metrics.trimmed_draft_tokens.inc(self.trimmer.trimmed_tokens - self._trimmed_seen)
             self._trimmed_seen = self.trimmer.trimmed_tokens
+        refusals = self.trimmer.cycle_wall.refusals if self.trimmer and self.trimmer.cycle_wall else 0
+        if refusals > self._refusals_seen:
+            self.metrics.draft_refusals.inc(refusals - self._refusals_seen)
+            self._refusals_seen = refusals
         self.update_gauges()
 
 

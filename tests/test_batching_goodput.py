@@ -168,12 +168,16 @@ def tiny_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("goodput") / "target", vocab_size=256, seed=0)
 
 
-def test_trimmed_verification_is_lossless(tiny_dir):
-    """Greedy sessions whose drafts are trimmed commit exactly what plain decoding commits."""
+@pytest.mark.parametrize("refusing", [False, True])
+def test_trimmed_verification_is_lossless(tiny_dir, refusing):
+    """Greedy sessions whose drafts are trimmed commit exactly what plain decoding commits; so do
+    sessions drafting elsewhere that the cycle pricing refuses (every draft of theirs cut)."""
     model = load_model(tiny_dir, backend="native", num_slots=8, max_context=128)
     engine, plain = TargetEngine(model), TargetEngine(load_model(tiny_dir, backend="native", num_slots=8,
                                                                   max_context=128))
     trimmer = trimmer_with_cost(beta=0.02)
+    if refusing:  # as after a refusal: new sessions drafting elsewhere start refused for 64 steps
+        trimmer.cycle_wall._latest_refusal = 64
     prompts = {f"s{i}": [i + 1, 2 * i + 3, 7] for i in range(6)}
     expected = {}
     for session_id, prompt in prompts.items():
@@ -187,9 +191,10 @@ def test_trimmed_verification_is_lossless(tiny_dir):
             position = len(engine.committed_tokens(session_id))
             start = position - 3
             draft = torch.tensor(expected[session_id][3:][start: start + 4], dtype=torch.long)
-            works.append(VerifyWork(session_id, position, DraftBlock(draft)))
+            works.append(VerifyWork(session_id, position, DraftBlock(draft), drafted_elsewhere=refusing))
         results = run_trimmed_batch(engine, trimmer, works)
         assert all(isinstance(r, VerifyOutcome) for r in results)
+        assert not refusing or all(r.num_drafted == 0 for r in results)
     assert trimmer.trimmed_tokens > 0
     for session_id in prompts:
         committed = engine.committed_tokens(session_id)

@@ -36,6 +36,9 @@ class VerifyWork:
     session_id: str
     position: int
     draft: DraftBlock
+    # The draft came over the network (a Verify call): its session is away for a round trip per cycle,
+    # which the trimmer prices (cycle_wall.py). False for drafts made inside the target.
+    drafted_elsewhere: bool = False
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,10 @@ have verified for it (draft_limits: its row as a verify of up to ADMISSION_PROBE
 acceptance, the others as they are). A coordinator whose session speculates no longer probes while
 that is 0: under load every probe cost its session a draft round trip and the batch a longer step
 for nothing, and at 4 sessions on a CPU those probes were most of speculation's loss to plain decoding.
+
+What a step cost cannot show, the round trips of a session drafting on a draft service, is priced
+per session over its whole cycle by cycle_wall.py; a session it refuses has its drafts cut to nothing
+and a draft_limit of 0, whatever the step's goodput.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from specdec.engine.batch import DecodeWork, Result, VerifyWork, Work, run_target_batch
+from specdec.engine.cycle_wall import CycleWallPricing
 from specdec.engine.target import TargetEngine
 from specdec.types import DraftBlock, VerifyOutcome
 
@@ -85,7 +90,7 @@ class DraftTrimmer:
     engine: trim and observe run on the model thread)."""
 
     def __init__(self, prior: float = 0.8, prior_trials: float = 2.0, decay: float = 0.9,
-                 max_sessions: int = 4096, margin: float = 0.0):
+                 max_sessions: int = 4096, margin: float = 0.0, price_cycles: bool = True):
         # An optimistic prior lets a new session show what its drafts are worth before load cuts
         # them. A session cut to nothing keeps its estimate until the load lets its drafts through.
         self.prior, self.prior_trials, self.decay = prior, prior_trials, decay
@@ -98,6 +103,9 @@ class DraftTrimmer:
         # noisy, it also cut drafts that paid (the target service's --trim-margin).
         self.margin = margin
         self.max_sessions = max_sessions
+        # A draft from a draft service also costs its session a round trip per cycle, which no step
+        # cost shows: cycle_wall.py prices the whole cycle and refuses sessions whose cycles lose.
+        self.cycle_wall = CycleWallPricing(margin=margin, max_sessions=max_sessions) if price_cycles else None
         self.cost = StepCost()
         # Seconds per step of the draft model the target hosts (specdec.engine.inner_draft), averaged
         # over its draft passes; None until one ran. A step whose rows draft there runs width - 1 such
@@ -129,10 +137,13 @@ class DraftTrimmer:
         is planned as a verify of its longest length before it is drafted, so no cut token is
         drafted; drafting_here: some rows draft with the hosted draft model, whose passes the width pays."""
         fit = self.cost.fit()
+        refused = self._refused(works)
         if fit is None or len(works) < 2:  # no cost measured yet, or no one else in the step
-            self.draft_limits = {}  # nothing known: the coordinators probe as they see fit
-            return [_base_and_draft(w)[1] for w in works]
+            # Nothing known but the refusals: the coordinators probe as they see fit.
+            self.draft_limits = {works[i].session_id: 0 for i in refused if isinstance(works[i], DecodeWork)}
+            return [0 if i in refused else _base_and_draft(w)[1] for i, w in enumerate(works)]
         rows = [_RowSpec(*_base_and_draft(w), self.acceptance(w.session_id)) for w in works]
+        rows = [dataclasses.replace(r, draft=0) if i in refused else r for i, r in enumerate(rows)]
         alpha, beta = fit
         widest = max(max(r.base + r.draft for r in rows), 1 + ADMISSION_PROBE_TOKENS)
         totals = [0.0] * (widest + 1)  # the rows' expected tokens by step width
@@ -153,7 +164,7 @@ class DraftTrimmer:
                 # A decode row gains 1 at any width: swap that for the probe's gains.
                 swapped = [total - 1.0 + gain for total, gain in zip(totals, probe.gains(widest))]
                 probe_width = self._width(len(rows), max(others_base, 1), swapped, alpha, beta, drafting)
-                limits[work.session_id] = max(0, min(probe.draft, probe_width - probe.base))
+                limits[work.session_id] = 0 if index in refused else max(0, min(probe.draft, probe_width - probe.base))
         self.draft_limits = limits
         return [max(0, min(row.draft, width - row.base)) for row in rows]
 
@@ -185,12 +196,27 @@ class DraftTrimmer:
             self.draft_step_s = per_step if self.draft_step_s is None else \
                 decay * self.draft_step_s + (1 - decay) * per_step
 
-    def observe(self, works: Sequence[Work], results: Sequence[Result], seconds: float) -> None:
-        """After a step: its cost (against its padded size, rows x the widest row), and the
-        acceptance seen by each verified draft."""
+    def _refused(self, works: Sequence[Work]) -> set[int]:
+        """The rows whose sessions cycle_wall refuses for now (their drafts do not pay their round trips)."""
+        if self.cycle_wall is None:
+            return set()
+        return {i for i, w in enumerate(works) if self.cycle_wall.refuses(w.session_id, w)}
+
+    def plain_step_s(self, num_sessions: int) -> float | None:
+        """Model seconds of a plain step of num_sessions rows, from the fit (None before one)."""
+        fit = self.cost.fit()
+        return None if fit is None else fit[0] + fit[1] * num_sessions
+
+    def observe(self, works: Sequence[Work], results: Sequence[Result], seconds: float,
+                started: float | None = None) -> None:
+        """After a step (`seconds` long, from perf_counter `started`): its cost (against its padded
+        size, rows x the widest row), the acceptance seen by each verified draft, and each session's
+        cycle wall time (cycle_wall.py)."""
         widths = [base + draft for base, draft in map(_base_and_draft, works) if base + draft > 0]
         if widths:
             self.cost.observe(len(widths) * max(widths), seconds)
+        if self.cycle_wall is not None and started is not None:
+            self.cycle_wall.observe(works, results, started, started + seconds, self.plain_step_s)
         for work, result in zip(works, results):
             if isinstance(work, VerifyWork) and isinstance(result, VerifyOutcome) and result.num_drafted:
                 stats = self._stats(work.session_id)
@@ -260,5 +286,5 @@ def run_trimmed_batch(engine: TargetEngine, trimmer: DraftTrimmer, works: Sequen
     works = trimmer.trim(works)
     started = time.perf_counter()
     results = run_target_batch(engine, works)
-    trimmer.observe(works, results, time.perf_counter() - started)
+    trimmer.observe(works, results, time.perf_counter() - started, started)
     return results

@@ -215,6 +215,10 @@ class TargetMetrics(_CacheMetrics):
         self.trimmed_draft_tokens = Counter(
             "trimmed_draft_tokens", "Drafted tokens left unverified because they did not pay under load.", **common
         )
+        self.draft_refusals = Counter(
+            "draft_refusals", "Sessions told to decode plainly for a while because their cycles, a draft "
+            "service's round trip included, committed fewer tokens per second than plain decoding would.", **common
+        )
 
 
 class DraftMetrics(_CacheMetrics):

@@ -1,0 +1,129 @@
+"""Pricing a speculative cycle by its wall time: does drafting elsewhere pay for its round trips?
+
+The goodput trimmer (goodput.py) prices a batched step: which drafted tokens raise the step's
+tokens per second. It cannot see what a cycle costs a session whose drafts come from a draft
+service: between two of its verifies the session is away, calling Propose (a round trip, the draft's
+own forwards, the coordinator's bookkeeping), while a session that decodes plainly gets a token in
+every step the target runs, with no round trip (its tokens are streamed). Under load that is the whole
+difference: on 2 H200s at 8 sessions (8B target, 1B draft service, alpha 0.8, k = 4) a cycle took
+62 ms for 3.3 tokens, 9 ms of it the target's forward, while plain steps came every 10.7 ms, so
+speculation ran at 0.58x of plain decoding and the trimmer let every draft through (docs/BENCHMARKS.md).
+
+So the target measures, per session, the wall time from its previous result to the result of each
+verify (the whole cycle, away time included) and the tokens the cycle committed, and compares
+tokens / wall with what a plain stream would give it now: one token per plain step of the current
+sessions, T(B) from the trimmer's step-cost fit plus the measured gap between back-to-back steps.
+A session whose cycles lose is refused: its drafts are cut to nothing and its draft_limit is 0, so
+its coordinator decodes it plainly (streamed) and makes no probe, for a number of its plain steps
+that doubles with each refusal in a row; then it may probe again, and its next cycle decides afresh.
+Sessions are short (a request of 128 tokens is a dozen cycles), so a new session does not start from
+nothing: while the latest verdict on any session was a refusal, a new session whose first row is a
+draft from elsewhere has it cut and starts refused for as long as that one was (the load and the draft
+service are the same for all); one verdict that pays lets new sessions draft at once again. Drafts made inside the target (inner_draft.py) are never away, so they
+always pass.
+
+Like the trimmer, this only chooses how many drafted tokens to verify: the output is unchanged.
+Thread-confined to the model thread, as the trimmer is. No I/O; the caller passes the clock.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from specdec.types import VerifyOutcome
+
+
+@dataclass
+class _Pace:
+    last_result: float  # perf_counter seconds when the session's latest step ended
+    wall_s: float | None = None  # EWMA of a cycle's wall time (previous result -> this verify's result)
+    tokens: float | None = None  # EWMA of tokens committed per cycle
+    cycles: int = 0  # cycles measured since the last reset
+    refused_for: int = 0  # plain steps left before the session may draft again
+    backoff: int = 0  # the next refusal's length in plain steps (doubles while refusals follow)
+
+
+class CycleWallPricing:
+    def __init__(self, margin: float = 0.0, decay: float = 0.7, min_cycles: int = 2, first_backoff: int = 8,
+                 max_backoff: int = 128, max_sessions: int = 4096):
+        # min_cycles: a session's first verdict waits for this many measured cycles (the first one
+        # after a plain run also pays the switch: a plain run cancelled, the draft catching up). A
+        # probe after a refusal decides on its one cycle: it only has to confirm the refusal.
+        self.margin, self.decay, self.min_cycles = margin, decay, min_cycles
+        self.first_backoff, self.max_backoff = first_backoff, max_backoff
+        self.max_sessions = max_sessions
+        self.refusals = 0  # sessions refused so far (a metric)
+        self._latest_refusal = 0  # plain steps the latest verdict refused for (0: it paid): new sessions' start
+        self._sessions: OrderedDict[str, _Pace] = OrderedDict()
+        self._gap_s: float | None = None  # between one step's end and the next one's start, when busy
+        self._last_end: float | None = None
+
+    def refuses(self, session_id: str, work=None) -> bool:
+        """Whether the session may not draft now; `work`, its row in the step being planned, decides
+        for a session not seen yet (a draft from elsewhere starts from the latest verdict)."""
+        pace = self._sessions.get(session_id)
+        if pace is None:
+            return self._latest_refusal > 0 and _drafted_elsewhere(work)
+        return pace.refused_for > 0
+
+    def active_sessions(self, now: float, horizon_s: float) -> int:
+        """Sessions with a result in the last horizon_s seconds (a session that ended stops counting)."""
+        return sum(1 for p in self._sessions.values() if now - p.last_result <= horizon_s)
+
+    def observe(self, works: Sequence, results: Sequence, started: float, ended: float,
+                plain_step_s: Callable[[int], float | None]) -> None:
+        """After a step that ran from `started` to `ended`: each row's session either drafted (a
+        VerifyWork: a cycle, measured from its previous result) or decoded plainly (a refusal's
+        countdown). plain_step_s(B): the model seconds of a plain step of B sessions, if known."""
+        step_s = ended - started
+        if self._last_end is not None and 0.0 <= started - self._last_end <= step_s:  # back to back
+            gap = started - self._last_end
+            self._gap_s = gap if self._gap_s is None else self.decay * self._gap_s + (1 - self.decay) * gap
+        self._last_end = ended
+        for work, result in zip(works, results):
+            if isinstance(result, Exception):
+                continue
+            pace = self._sessions.get(work.session_id)
+            if pace is None:  # a session whose first row drafted elsewhere starts from the latest verdict
+                refused = min(self._latest_refusal, self.max_backoff) if _drafted_elsewhere(work) else 0
+                self._remember(work.session_id, _Pace(last_result=ended, refused_for=refused, backoff=refused))
+                continue
+            self._sessions.move_to_end(work.session_id)
+            wall = ended - pace.last_result
+            if pace.refused_for > 0:  # a step of the refusal, plain (or a verify cut to nothing)
+                pace.refused_for -= 1
+                if pace.refused_for == 0:  # a probe may come: measure it afresh
+                    pace.wall_s, pace.tokens, pace.cycles = None, None, 0
+            elif isinstance(result, VerifyOutcome) and _drafted_elsewhere(work):
+                # The load this cycle met: the sessions with a result during it (this one's previous
+                # result included), at least the rows of this step.
+                active = max(self.active_sessions(ended, wall), len(works))
+                self._cycle(pace, result.num_accepted + 1, wall, plain_step_s(active) if active > 1 else None)
+            pace.last_result = ended
+
+    def _cycle(self, pace: _Pace, tokens: int, wall: float, plain_step_s: float | None) -> None:
+        d = self.decay
+        pace.wall_s = wall if pace.wall_s is None else d * pace.wall_s + (1 - d) * wall
+        pace.tokens = tokens if pace.tokens is None else d * pace.tokens + (1 - d) * tokens
+        pace.cycles += 1
+        if plain_step_s is None or pace.cycles < (1 if pace.backoff else self.min_cycles):
+            return
+        plain_period = plain_step_s + (self._gap_s or 0.0)
+        if pace.tokens / pace.wall_s >= (1.0 + self.margin) / plain_period:
+            pace.backoff = self._latest_refusal = 0  # it pays: a later refusal starts short again
+            return
+        pace.backoff = self.first_backoff if pace.backoff == 0 else min(2 * pace.backoff, self.max_backoff)
+        pace.refused_for = self._latest_refusal = pace.backoff
+        self.refusals += 1
+
+    def _remember(self, session_id: str, pace: _Pace) -> None:
+        self._sessions[session_id] = pace
+        while len(self._sessions) > self.max_sessions:  # forget the longest unseen
+            self._sessions.popitem(last=False)
+
+
+def _drafted_elsewhere(work) -> bool:
+    """A verify of a draft that came over the network (batch.VerifyWork.drafted_elsewhere)."""
+    return bool(getattr(work, "drafted_elsewhere", False))

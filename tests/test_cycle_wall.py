@@ -1,0 +1,145 @@
+"""Pricing a drafted session's whole cycle (specdec.engine.cycle_wall): under load, a session whose drafts
+come from a draft service and whose cycles, round trips included, commit fewer tokens per second than
+plain decoding would, is told to decode plainly for a while; one whose cycles pay is left alone, and so
+are drafts made inside the target. The steps are simulated with a clock of our own."""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.engine.batch import DecodeWork, VerifyWork
+from specdec.engine.cycle_wall import CycleWallPricing
+from specdec.engine.goodput import DraftTrimmer
+from specdec.types import DraftBlock, VerifyOutcome
+
+STEP_S, GAP_S = 0.0092, 0.0013  # a GPU-like step of 8 rows (weights-bound: rows cost little) and the gap after it
+
+
+def gpu_trimmer(**kwargs) -> DraftTrimmer:
+    trimmer = DraftTrimmer(**kwargs)
+    for n in range(1, 41):  # T(n) = 9 ms + 0.02 ms per token fed
+        trimmer.cost.observe(n, 0.009 + 0.00002 * n)
+    return trimmer
+
+
+def external(session_id: str, k: int = 4) -> VerifyWork:
+    return VerifyWork(session_id, 10, DraftBlock(torch.arange(k)), drafted_elsewhere=True)
+
+
+class Steps:
+    """Batched steps back to back on a simulated clock: plain rows for `plain` sessions in every step,
+    and the drafted session's verify every `every` steps (it is away in between), accepting `accepted`."""
+
+    def __init__(self, trimmer: DraftTrimmer, plain=tuple(f"p{i}" for i in range(7))):
+        self.trimmer, self.plain, self.now = trimmer, list(plain), 100.0
+
+    def run(self, extra_works=(), extra_results=()) -> list:
+        works = [*extra_works, *(DecodeWork(s, 10) for s in self.plain)]
+        works = self.trimmer.trim(works)
+        results = [*extra_results, *([[1]] * len(self.plain))]
+        self.trimmer.observe(works, results, STEP_S, self.now)
+        self.now += STEP_S + GAP_S
+        return works
+
+    def cycles(self, session_id: str, n: int, every: int, accepted: int, k: int = 4, work=external) -> list:
+        kept = []
+        for _ in range(n):
+            for _ in range(every - 1):
+                self.run()
+            verify = self.run([work(session_id, k)], [VerifyOutcome(0, k, accepted, 0)])[0]
+            kept.append(verify.draft.num_tokens)
+        return kept
+
+
+def test_a_draft_service_session_whose_cycles_lose_to_plain_steps_is_refused_for_a_while():
+    # 8 sessions, plain steps every 10.5 ms; a cycle away for 6 steps (63 ms) commits 3 tokens: 48 tokens/s
+    # against the 95 a plain stream gets, as the draft service measured on 2 H200s (0.58x of plain).
+    trimmer = gpu_trimmer()
+    steps = Steps(trimmer)
+    kept = steps.cycles("slow", 4, every=6, accepted=2)
+    # The first cycle sets the clock; a verdict needs two measured cycles; the next draft is cut to nothing.
+    assert kept == [4, 4, 4, 0] and trimmer.cycle_wall.refusals == 1
+    # Plain now, and told that no draft would be verified (so its coordinator makes no probe), for 8 of
+    # its steps (the first refusal; the verify cut to nothing was one of them).
+    refused_steps = 1
+    while trimmer.cycle_wall.refuses("slow"):
+        steps.run([DecodeWork("slow", 10)], [[1]])
+        assert trimmer.draft_limits["slow"] == 0
+        refused_steps += 1
+    assert refused_steps == 8
+    steps.run([DecodeWork("slow", 10)], [[1]])
+    assert trimmer.draft_limits["slow"] > 0  # a probe may come
+    # It probes (measured from its last plain step: the switch is part of the cycle), still loses, and
+    # is refused twice as long: a probe decides on its one cycle.
+    assert steps.cycles("slow", 2, every=6, accepted=2) == [4, 0]
+    assert trimmer.cycle_wall.refuses("slow") and trimmer.cycle_wall.refusals == 2
+    refused_steps = 1
+    while trimmer.cycle_wall.refuses("slow"):
+        steps.run([DecodeWork("slow", 10)], [[1]])
+        refused_steps += 1
+    assert refused_steps == 16
+
+
+def test_new_sessions_start_from_the_latest_verdict():
+    """Requests are short: a new session starts refused for as long as the latest refusal, so it does
+    not pay the cycles that measure what its neighbours just measured; a verdict that pays clears it."""
+    trimmer = gpu_trimmer()
+    steps = Steps(trimmer)
+    assert steps.cycles("slow", 4, every=6, accepted=2) == [4, 4, 4, 0]
+    # A new session drafting elsewhere starts from that verdict: its first draft is cut, and it is refused.
+    assert steps.cycles("new", 1, every=1, accepted=0) == [0]
+    assert trimmer.cycle_wall.refuses("new")
+    steps.run([DecodeWork("new", 10)], [[1]])
+    assert trimmer.draft_limits["new"] == 0
+    # A session that has not drafted (plain decoding, or drafts made inside the target) is not.
+    steps.run([DecodeWork("plain-only", 10)], [[1]])
+    assert not trimmer.cycle_wall.refuses("plain-only") and trimmer.draft_limits["plain-only"] > 0
+    # So does any other new session; once its refusal is over, it probes, and its cycles pay: that
+    # clears the verdict, and the next new session drafts at once.
+    assert steps.cycles("fast", 1, every=1, accepted=4) == [0]
+    while trimmer.cycle_wall.refuses("fast"):
+        steps.run([DecodeWork("fast", 10)], [[1]])
+    assert steps.cycles("fast", 3, every=2, accepted=4) == [4, 4, 4]
+    steps.run([external("newer")], [VerifyOutcome(0, 4, 4, 0)])
+    assert not trimmer.cycle_wall.refuses("newer")
+    assert steps.cycles("newer", 2, every=2, accepted=4) == [4, 4]
+
+
+def test_cycles_that_beat_plain_steps_and_drafts_made_inside_the_target_are_left_alone():
+    trimmer = gpu_trimmer()
+    steps = Steps(trimmer)
+    # Away for 2 steps (21 ms) for 4 tokens: 190 tokens/s against 95.
+    assert steps.cycles("fast", 8, every=2, accepted=3) == [4] * 8
+    # A draft made inside the target (no round trip) is never priced this way, however slow its cycles.
+    inside = steps.cycles("inside", 8, every=6, accepted=0,
+                          work=lambda s, k: VerifyWork(s, 10, DraftBlock(torch.arange(k))))
+    assert min(inside) > 0
+    assert trimmer.cycle_wall.refusals == 0
+    # Without cycle pricing (--draft-trimming step) the losing session of the first test is not refused.
+    step_only = Steps(gpu_trimmer(price_cycles=False))
+    assert step_only.cycles("slow", 8, every=6, accepted=2) == [4] * 8
+
+
+def test_a_lone_session_is_the_coordinators_call():
+    """With no one else active, the step is the session's own: its coordinator's adaptive length
+    weighs its cycles (as the goodput trimmer leaves a lone session alone)."""
+    trimmer = gpu_trimmer()
+    steps = Steps(trimmer, plain=())
+    assert steps.cycles("alone", 8, every=6, accepted=2) == [4] * 8
+    assert trimmer.cycle_wall.refusals == 0
+
+
+def test_pricing_measures_wall_time_from_the_previous_result():
+    pricing = CycleWallPricing(min_cycles=1)
+    plain_step = lambda sessions: 0.010  # noqa: E731 - 10 ms whatever the batch
+
+    def step(t: float, works, results) -> None:
+        pricing.observe(works, results, t, t + 0.010, plain_step)
+
+    others = [DecodeWork("o", 1)]
+    step(0.0, [external("s"), *others], [VerifyOutcome(0, 4, 3, 0), [1]])  # the first result: sets the clock
+    step(0.040, [external("s"), *others], [VerifyOutcome(0, 4, 3, 0), [1]])  # 4 tokens in 40 ms: 100/s
+    assert not pricing.refuses("s")  # 100 tokens/s = one per 10 ms plain step (no gap measured: idle)
+    step(0.100, [external("s"), *others], [VerifyOutcome(0, 4, 0, 0), [1]])  # 1 token in 60 ms
+    assert pricing.refuses("s")
+    assert pricing.active_sessions(0.110, 0.06) == 2 and pricing.active_sessions(5.0, 0.06) == 0
