@@ -69,8 +69,15 @@ class CycleWallPricing:
         return pace.refused_for > 0
 
     def active_sessions(self, now: float, horizon_s: float) -> int:
-        """Sessions with a result in the last horizon_s seconds (a session that ended stops counting)."""
-        return sum(1 for p in self._sessions.values() if now - p.last_result <= horizon_s)
+        """Sessions with a result in the last horizon_s seconds (a session that ended stops counting).
+        The sessions are kept in the order they were last seen, so this reads only the recent ones:
+        it runs per drafted row of every step, beside up to max_sessions remembered sessions."""
+        count = 0
+        for pace in reversed(self._sessions.values()):
+            if now - pace.last_result > horizon_s:
+                break
+            count += 1
+        return count
 
     def observe(self, works: Sequence, results: Sequence, started: float, ended: float,
                 plain_step_s: Callable[[int], float | None]) -> None:
