@@ -1,7 +1,10 @@
 """Lossless under continuous batching: 8 concurrent sessions generating speculatively through the
 target and draft services (subprocesses on tiny models) each get exactly what plain decoding gives
 them, while the services batch their work (batch sizes above 1 in both services' metrics). The
-caches hold fewer sessions than run, so rows are evicted and re-fed between batches too."""
+caches hold fewer sessions than run, so rows are evicted and re-fed between batches too. A draft
+service made slow on purpose loses to plain decoding under this load: the target refuses its
+sessions' drafts (cycle pricing, specdec/engine/cycle_wall.py), and they still get plain decoding's
+tokens."""
 
 from __future__ import annotations
 
@@ -49,6 +52,9 @@ def services(dirs, tmp_path_factory):
                        log_dir=logs),
         "ngram": launch("draft_service", [*common, "--proposer", "ngram", "--tokenizer", str(dirs["target"])],
                         log_dir=logs),
+        # 40 ms a forward: a cycle costs its session well over what the plain steps of 8 sessions take.
+        "slow": launch("draft_service", [*common, "--model", str(dirs["target"]), "--num-slots", "8",
+                                         "--test-delay-ms", "40"], log_dir=logs),
     }
     wait_all(*procs.values())
     yield procs
@@ -62,17 +68,18 @@ def plain(dirs):
     return [asyncio.run(run(LocalTarget(engine), None, i)) for i in range(SESSIONS)]
 
 
-async def run(target, draft, i: int, k: int = 4) -> list[int]:
+async def run(target, draft, i: int, k: int = 4, new_tokens: int = NEW_TOKENS, result: bool = False):
+    """Session i's tokens (with result: the whole GenerationResult)."""
     async def emit(tokens):
         pass
 
-    session_id = f"batched-{i}-{draft is not None}-{id(target)}"
-    result = await generate(target, draft, session_id, prompt(i), PARAMS[i % len(PARAMS)],
-                            StopChecker(NEW_TOKENS, ()), emit, LoopSettings(num_draft_tokens=k))
+    session_id = f"batched-{i}-{draft is not None}-{id(target)}-{new_tokens}"
+    generated = await generate(target, draft, session_id, prompt(i), PARAMS[i % len(PARAMS)],
+                               StopChecker(new_tokens, ()), emit, LoopSettings(num_draft_tokens=k))
     await target.end_session(session_id)
     if draft is not None:
         await draft.end_session(session_id)
-    return result.token_ids
+    return generated if result else generated.token_ids
 
 
 def batched(metrics_text: str, family: str) -> bool:
@@ -94,3 +101,24 @@ async def test_concurrent_speculative_sessions_equal_plain_decoding(services, pl
         assert got[i] == plain[i], f"session {i} ({PARAMS[i % len(PARAMS)]})"
     assert batched(services["target"].metrics(), "specdec_target_batch_size")
     assert batched(services[kind].metrics(), "specdec_draft_batch_size")
+
+
+async def test_a_draft_service_that_loses_under_load_is_refused_and_output_is_unchanged(services, dirs):
+    """Fixed k = 4 from a draft service 40 ms a forward, 8 sessions at once: once the target has
+    measured their cycles against its plain steps it cuts their drafts and tells them to decode
+    plainly (the metric counts the verdicts); every session still gets plain decoding's tokens."""
+    new_tokens = 64
+    engine = TargetEngine(load_model(dirs["target"], backend="native", num_slots=2, max_context=CONTEXT))
+    expected = [await run(LocalTarget(engine), None, i, new_tokens=new_tokens) for i in range(SESSIONS)]
+    async with connect_target(services["target"].address, PLAIN) as target, \
+            connect_draft(services["slow"].address, PLAIN) as draft:
+        got = await asyncio.gather(*(run(target, draft, i, new_tokens=new_tokens, result=True)
+                                     for i in range(SESSIONS)))
+    for i in range(SESSIONS):
+        assert got[i].token_ids == expected[i], f"session {i} ({PARAMS[i % len(PARAMS)]})"
+    refusals = [line for line in services["target"].metrics().splitlines()
+                if line.startswith("specdec_target_draft_refusals_total ")]
+    assert refusals and float(refusals[0].split()[1]) >= 1
+    plain_steps = sum(r.stats.decode_steps for r in got)
+    cycles = sum(r.stats.cycles for r in got)
+    assert plain_steps > cycles, (plain_steps, cycles)  # refused: mostly plain decoding
