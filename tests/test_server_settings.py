@@ -134,6 +134,11 @@ def test_the_target_takes_a_trimming_margin_within_bounds():
     for bad in ("-0.1", "11", "nan"):
         with pytest.raises(ConfigError, match="--trim-margin must be in"):
             settings_from_args(build_parser().parse_args([*base, "--trim-margin", bad]))
+    # --draft-trimming: goodput (the default) prices steps and drafted sessions' cycles, step the steps only.
+    modes = {mode: settings_from_args(build_parser().parse_args([*base, "--draft-trimming", mode]))
+             for mode in ("goodput", "step", "off")}
+    assert [(m.trim_drafts, m.trim_cycles) for m in modes.values()] == [(True, True), (True, False), (False, False)]
+    assert settings_from_args(build_parser().parse_args(base)).trim_cycles
 
 
 def test_the_coordinator_takes_local_ngram_as_a_draft_only():

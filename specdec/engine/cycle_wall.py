@@ -19,8 +19,8 @@ that doubles with each refusal in a row; then it may probe again, and its next c
 Sessions are short (a request of 128 tokens is a dozen cycles), so a new session does not start from
 nothing: while the latest verdict on any session was a refusal, a new session whose first row is a
 draft from elsewhere has it cut and starts refused for as long as that one was (the load and the draft
-service are the same for all); one verdict that pays lets new sessions draft at once again. Drafts made inside the target (inner_draft.py) are never away, so they
-always pass.
+service are the same for all); one verdict that pays lets new sessions draft at once again. Drafts
+made inside the target (inner_draft.py) are never away, so they always pass.
 
 Like the trimmer, this only chooses how many drafted tokens to verify: the output is unchanged.
 Thread-confined to the model thread, as the trimmer is. No I/O; the caller passes the clock.
@@ -99,6 +99,8 @@ class CycleWallPricing:
                 continue
             self._sessions.move_to_end(work.session_id)
             wall = ended - pace.last_result
+            if wall <= 0.0:  # a second row of the session in this step: no cycle to measure
+                continue
             if pace.refused_for > 0:  # a step of the refusal, plain (or a verify cut to nothing)
                 pace.refused_for -= 1
                 if pace.refused_for == 0:  # a probe may come: measure it afresh
