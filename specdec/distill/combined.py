@@ -18,7 +18,7 @@ import torch
 
 from specdec.distill.data import Record
 from specdec.distill.evaluate import copy_guesses
-from specdec.distill.evaluate_head import reference_windows
+from specdec.distill.evaluate_head import reference_windows, windows
 from specdec.proposers.copy_guess import CopyRule
 
 
@@ -43,12 +43,10 @@ def combined_chains(records: list[Record], head: list[tuple[np.ndarray, np.ndarr
     outputs, the more confident proposing, then the copy rule where its confidence is below the rule's."""
     chains = []
     for r, (head_ids, head_conf), (draft_ids, draft_conf) in zip(records, head, draft):
-        window = lambda x, fill: np.lib.stride_tricks.sliding_window_view(  # noqa: E731 - [n, k]: x[i + j]
-            np.concatenate([x, np.full(k - 1, fill, dtype=x.dtype)]), k)
-        draft_ids_w, draft_conf_w = window(draft_ids, -2), window(draft_conf, 0.0)
+        draft_ids_w, draft_conf_w = windows(draft_ids, k, -2), windows(draft_conf, k, 0.0)
         pick = np.where(head_conf >= draft_conf_w, head_ids, draft_ids_w)
         if copy is not None:
-            guesses = window(copy_guesses(r, copy), -1)
+            guesses = windows(copy_guesses(r, copy), k, -1)
             unsure = (np.maximum(head_conf, draft_conf_w) < copy.below) & (guesses >= 0)
             pick = np.where(unsure, guesses, pick)
         chains.append(pick == reference_windows(r, k))

@@ -98,22 +98,20 @@ def head_predictions(head, target, records: list[Record], k: int, device: str,
     return out
 
 
+def windows(x: np.ndarray, k: int, fill) -> np.ndarray:
+    """[n, k] read-only view: row i is x[i], ..., x[i + k - 1], with `fill` past the end of x."""
+    return np.lib.stride_tricks.sliding_window_view(np.concatenate([x, np.full(k - 1, fill, dtype=x.dtype)]), k)
+
+
 def reference_windows(r: Record, k: int) -> np.ndarray:
     """[n, k]: the reference token each of the k drafts of the step starting at answer index i must
     equal, s[P+i+j] (-1 past the end)."""
-    n = len(r.tokens) - r.prompt_len
-    reference = np.full(n + k - 1, -1, dtype=np.int64)
-    reference[:n] = r.tokens[r.prompt_len:]
-    return np.lib.stride_tricks.sliding_window_view(reference, k)
+    return windows(r.tokens[r.prompt_len:].astype(np.int64), k, -1)
 
 
 def baseline_chains(matches: list[np.ndarray], k: int) -> list[np.ndarray]:
     """Chains of a standalone draft from its teacher-forced matches (its drafts depend on tokens only)."""
-    chains = []
-    for m in matches:
-        padded = np.concatenate([m.astype(bool), np.zeros(k - 1, dtype=bool)])
-        chains.append(np.lib.stride_tricks.sliding_window_view(padded, k).copy())
-    return chains
+    return [windows(m.astype(bool), k, False).copy() for m in matches]
 
 
 def simulate(chains: np.ndarray) -> tuple[int, int, int]:
