@@ -49,6 +49,7 @@ class CanaryController:
         self._checks = asyncio.Semaphore(settings.max_concurrent_checks)
         self._tasks: set[asyncio.Task] = set()
         self._loop: asyncio.Task | None = None
+        self._closing = False
 
     # ---- routing and observation (every replica) ---------------------------------------------
 
@@ -107,7 +108,7 @@ class CanaryController:
         return self._loop
 
     async def run(self) -> None:
-        while True:
+        while not self._closing:
             try:
                 await self.tick()
             except asyncio.CancelledError:
@@ -248,9 +249,14 @@ class CanaryController:
 
     async def aclose(self) -> None:
         """Stop deciding, let recordings finish briefly, and hand the lease on at once."""
-        if self._loop is not None:
+        # One cancel once left the loop running for ever (a CI run hung here, its shutdown awaiting the
+        # loop): a cancellation that a client library turns into an ordinary error inside a tick is, to
+        # run(), a failed tick, and it goes on. So the loop also checks a flag, and is cancelled again
+        # until it has ended (tests/test_canary_store.py reproduces it with a probe that does that).
+        self._closing = True
+        while self._loop is not None and not self._loop.done():
             self._loop.cancel()
-            await asyncio.gather(self._loop, return_exceptions=True)
+            await asyncio.wait([self._loop], timeout=0.5)
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=2.0)
         try:

@@ -72,5 +72,8 @@ def _dump_pending(nodeid: str) -> None:
         tasks = []
     for task in tasks:
         sys.stderr.write(f"\n{task!r}\n")
-        task.print_stack(limit=15, file=sys.stderr)
+        try:
+            task.print_stack(limit=15, file=sys.stderr)
+        except Exception as exc:  # noqa: BLE001 - a compiled coroutine's frame has no line number
+            sys.stderr.write(f"  (no stack: {exc!r})\n")
     sys.stderr.flush()

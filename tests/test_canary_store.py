@@ -149,3 +149,47 @@ async def test_operators_act_through_any_replica(client, prefix):
     assert [d["action"] for d in log] == ["resume", "abort", "pause", "promote", "promote", "start"]
     assert log[1]["reason"] == "manual abort: incident 42" and log[1]["manual"] and log[1]["to"] == 0
     assert (await a.act(Action.RESUME)).version == resumed.version  # nothing to resume: no change
+
+
+class _SwallowingRouter(_HealthyRouter):
+    """A target probe that turns its cancellation into an ordinary error, as a client library may."""
+
+    probing = False
+    swallow = True
+
+    def target(self, endpoint):
+        router = self
+
+        class Client:
+            async def describe(self):
+                router.probing = True
+                try:
+                    await asyncio.sleep(3600)
+                except asyncio.CancelledError:
+                    if not router.swallow:
+                        raise
+                    raise RuntimeError("call cancelled") from None
+        return Client()
+
+
+async def test_closing_ends_the_deciding_loop_even_when_a_cancellation_is_swallowed(client, prefix):
+    """A CI run once hung in shutdown awaiting the canary's loop: its one cancellation had become an
+    ordinary error inside a tick, which the loop survives by design (Redis away for a moment)."""
+    c = controller(client, prefix, "A")
+    c.router = router = _SwallowingRouter()
+    c.start()
+    await asyncio.sleep(0.3)  # started: samples count from now
+    await add(c.store, Pool.SPECULATIVE, 0.01, 8)
+    await add(c.store, Pool.BASELINE, 0.03, 8)
+    for _ in range(50):  # a step-up, held at probing the targets before it
+        if router.probing:
+            break
+        await asyncio.sleep(0.1)
+    assert router.probing
+    closing = asyncio.ensure_future(c.aclose())
+    done, _ = await asyncio.wait([closing], timeout=10)
+    router.swallow = False  # from here a cancellation is one again: nothing is left hanging either way
+    if not done:
+        c._loop.cancel()
+        await asyncio.wait([closing], timeout=5)
+    assert done and c._loop.done(), "closing did not end the loop"
