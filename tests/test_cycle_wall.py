@@ -85,7 +85,7 @@ def test_new_sessions_start_from_the_latest_verdict():
     not pay the cycles that measure what its neighbours just measured; a verdict that pays clears it."""
     trimmer = gpu_trimmer()
     steps = Steps(trimmer)
-    assert steps.cycles("slow", 4, every=6, accepted=2) == [4, 4, 4, 0]
+    assert steps.cycles("slow", 3, every=6, accepted=2) == [4, 4, 4] and trimmer.cycle_wall.refuses("slow")
     # A new session drafting elsewhere starts from that verdict: its first draft is cut, and it is refused.
     assert steps.cycles("new", 1, every=1, accepted=0) == [0]
     assert trimmer.cycle_wall.refuses("new")
@@ -94,8 +94,8 @@ def test_new_sessions_start_from_the_latest_verdict():
     # A session that has not drafted (plain decoding, or drafts made inside the target) is not.
     steps.run([DecodeWork("plain-only", 10)], [[1]])
     assert not trimmer.cycle_wall.refuses("plain-only") and trimmer.draft_limits["plain-only"] > 0
-    # So does any other new session; once its refusal is over, it probes, and its cycles pay: that
-    # clears the verdict, and the next new session drafts at once.
+    # So is any other new session within the window; once its refusal is over, it probes, and its
+    # cycles pay: that clears the verdict, and the next new session drafts at once.
     assert steps.cycles("fast", 1, every=1, accepted=4) == [0]
     while trimmer.cycle_wall.refuses("fast"):
         steps.run([DecodeWork("fast", 10)], [[1]])
@@ -103,6 +103,27 @@ def test_new_sessions_start_from_the_latest_verdict():
     steps.run([external("newer")], [VerifyOutcome(0, 4, 4, 0)])
     assert not trimmer.cycle_wall.refuses("newer")
     assert steps.cycles("newer", 2, every=2, accepted=4) == [4, 4]
+
+
+def test_the_latest_refusal_passes_to_new_sessions_for_its_window_of_steps_only():
+    """Counted in the target's steps, not the new sessions' own: a refusal longer than a request must
+    not pass from each session to the next, with none ever probing (speculation off for good)."""
+    trimmer = gpu_trimmer()
+    steps = Steps(trimmer)
+    assert steps.cycles("slow", 4, every=6, accepted=2) == [4, 4, 4, 0]  # refused for 8 steps
+    steps.run([external("early")], [VerifyOutcome(0, 4, 4, 0)])
+    assert trimmer.cycle_wall.refuses("early")  # within the window: starts refused for what is left
+    for _ in range(7):
+        steps.run()
+    # The window is over, though "early" never ran a plain step of its refusal: a new session drafts,
+    # and its first measured cycle decides; still losing, the refusal doubles.
+    assert steps.cycles("late", 2, every=6, accepted=2) == [4, 4]
+    assert trimmer.cycle_wall.refuses("late") and trimmer.cycle_wall.refusals == 2
+    for _ in range(15):
+        steps.run()
+    assert steps.cycles("later", 1, every=1, accepted=2) == [0]  # 16 steps: still within it
+    steps.run()
+    assert steps.cycles("latest", 1, every=1, accepted=2) == [4]
 
 
 def test_cycles_that_beat_plain_steps_and_drafts_made_inside_the_target_are_left_alone():

@@ -17,9 +17,13 @@ A session whose cycles lose is refused: its drafts are cut to nothing and its dr
 its coordinator decodes it plainly (streamed) and makes no probe, for a number of its plain steps
 that doubles with each refusal in a row; then it may probe again, and its next cycle decides afresh.
 Sessions are short (a request of 128 tokens is a dozen cycles), so a new session does not start from
-nothing: while the latest verdict on any session was a refusal, a new session whose first row is a
-draft from elsewhere has it cut and starts refused for as long as that one was (the load and the draft
-service are the same for all); one verdict that pays lets new sessions draft at once again. Drafts
+nothing: for as many of the target's steps as the latest refusal lasts, a new session whose first row
+is a draft from elsewhere has it cut and is refused for what is left of it (the load and the draft
+service are the same for all). The window is counted in the target's steps, not in the new sessions'
+own: counted per session, a refusal longer than a request would pass from each session to the next
+one, none would ever probe, and speculation would stay off for good (a canary saw exactly that). After
+the window, new sessions draft, and their first measured cycle decides afresh (doubling the refusal if
+it still loses); one verdict that pays lets new sessions draft at once again. Drafts
 made inside the target (inner_draft.py) are never away, so they always pass.
 
 Like the trimmer, this only chooses how many drafted tokens to verify: the output is unchanged.
@@ -55,7 +59,9 @@ class CycleWallPricing:
         self.first_backoff, self.max_backoff = first_backoff, max_backoff
         self.max_sessions = max_sessions
         self.refusals = 0  # sessions refused so far (a metric)
-        self._latest_refusal = 0  # plain steps the latest verdict refused for (0: it paid): new sessions' start
+        self._steps = 0  # steps observed: the clock of the latest refusal's window for new sessions
+        self._verdict_step = 0  # the step of the latest verdict
+        self._verdict_len = 0  # plain steps the latest verdict refused for (0: it paid)
         self._sessions: OrderedDict[str, _Pace] = OrderedDict()
         self._gap_s: float | None = None  # between one step's end and the next one's start, when busy
         self._last_end: float | None = None
@@ -65,8 +71,12 @@ class CycleWallPricing:
         for a session not seen yet (a draft from elsewhere starts from the latest verdict)."""
         pace = self._sessions.get(session_id)
         if pace is None:
-            return self._latest_refusal > 0 and _drafted_elsewhere(work)
+            return self._inherited_refusal() > 0 and _drafted_elsewhere(work)
         return pace.refused_for > 0
+
+    def _inherited_refusal(self) -> int:
+        """Plain steps left of the latest refusal's window: what a new session starts refused for."""
+        return max(0, self._verdict_step + self._verdict_len - self._steps) if self._verdict_len else 0
 
     def active_sessions(self, now: float, horizon_s: float) -> int:
         """Sessions with a result in the last horizon_s seconds (a session that ended stops counting).
@@ -84,6 +94,7 @@ class CycleWallPricing:
         """After a step that ran from `started` to `ended`: each row's session either drafted (a
         VerifyWork: a cycle, measured from its previous result) or decoded plainly (a refusal's
         countdown). plain_step_s(B): the model seconds of a plain step of B sessions, if known."""
+        self._steps += 1
         step_s = ended - started
         if self._last_end is not None and 0.0 <= started - self._last_end <= step_s:  # back to back
             gap = started - self._last_end
@@ -94,8 +105,12 @@ class CycleWallPricing:
                 continue
             pace = self._sessions.get(work.session_id)
             if pace is None:  # a session whose first row drafted elsewhere starts from the latest verdict
-                refused = min(self._latest_refusal, self.max_backoff) if _drafted_elsewhere(work) else 0
-                self._remember(work.session_id, _Pace(last_result=ended, refused_for=refused, backoff=refused))
+                # (the rest of its window; after it, the session's first measured cycle decides, and a
+                # loss doubles the latest refusal's length)
+                elsewhere = _drafted_elsewhere(work)
+                refused = self._inherited_refusal() if elsewhere else 0
+                backoff = self._verdict_len if elsewhere else 0
+                self._remember(work.session_id, _Pace(last_result=ended, refused_for=refused, backoff=backoff))
                 continue
             self._sessions.move_to_end(work.session_id)
             wall = ended - pace.last_result
@@ -121,10 +136,11 @@ class CycleWallPricing:
             return
         plain_period = plain_step_s + (self._gap_s or 0.0)
         if pace.tokens / pace.wall_s >= (1.0 + self.margin) / plain_period:
-            pace.backoff = self._latest_refusal = 0  # it pays: a later refusal starts short again
+            pace.backoff = self._verdict_len = 0  # it pays: a later refusal starts short again
             return
         pace.backoff = self.first_backoff if pace.backoff == 0 else min(2 * pace.backoff, self.max_backoff)
-        pace.refused_for = self._latest_refusal = pace.backoff
+        pace.refused_for = self._verdict_len = pace.backoff
+        self._verdict_step = self._steps
         self.refusals += 1
 
     def _remember(self, session_id: str, pace: _Pace) -> None:
