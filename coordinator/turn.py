@@ -17,6 +17,7 @@ import logging
 from dataclasses import dataclass, replace
 
 from specdec.engine.api import InnerDraft
+from specdec.engine.cycle_cost import measure_cycle
 from specdec.errors import SessionNotFound, SpecDecError
 from specdec.generation.loop import GenerationResult, LoopSettings, SessionCursor, SpeculativeLoop
 from specdec.generation.stats import SpeculationStats
@@ -135,7 +136,7 @@ class Turn:
             router, plan.pool, plan.session_id, plan.params, plan.target_endpoint,
             committed=lambda: self.cursor.tokens, guard=self.check_owner,
             on_moved=lambda endpoint: self.recorder.set_fields(target_replica=endpoint),
-            failover_timeout_s=settings.failover_timeout_s,
+            failover_timeout_s=settings.failover_timeout_s, drafts_elsewhere=plan.draft_endpoint is not None,
         )
         self.draft = None
         if plan.draft_endpoint is not None:
@@ -183,8 +184,10 @@ class Turn:
         plan = self.plan
         if plan.finished is not None:  # a resumed turn whose committed tokens already end it
             return GenerationResult([], plan.finished, SpeculationStats())
-        first = await self.target.prepare(plan.tokens, self.plan.turn.turn_start == len(plan.tokens),
-                                          plan.new_session)
+        with measure_cycle() as opening:  # a new session's StartSession may say: start plain
+            first = await self.target.prepare(plan.tokens, self.plan.turn.turn_start == len(plan.tokens),
+                                              plan.new_session)
+        self.cursor.target_draft_limit = opening.target_draft_limit
         if first is not None:
             self.cursor.tokens.append(first)
             _, reason = self.stop.check([first])

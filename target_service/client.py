@@ -60,13 +60,16 @@ class TargetClient(ServiceClient):
     _decode_stream_unimplemented = False  # set once the target answered DecodeStream with UNIMPLEMENTED
 
     async def start_session(
-        self, session_id: str, token_ids: Sequence[int], params: SamplingParams, sample_first_token: bool = True
+        self, session_id: str, token_ids: Sequence[int], params: SamplingParams, sample_first_token: bool = True,
+        drafts_elsewhere: bool = False,
     ) -> tuple[int, int | None]:
         request = target_pb2.TargetServiceStartSessionRequest(
             session_id=session_id, token_ids=list(token_ids), sampling=sampling_params_to_proto(params),
-            sample_first_token=sample_first_token,
+            sample_first_token=sample_first_token, drafts_elsewhere=drafts_elsewhere,
         )
         response = await self._call(self._stub.StartSession, request, session_id)
+        if response.HasField("draft_limit"):  # into the cycle being measured, as a plain step's is
+            report_draft_limit(response.draft_limit)
         first = response.first_token_id if response.HasField("first_token_id") else None
         return response.position, first
 

@@ -115,14 +115,26 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
         params = sampling_params_from_proto(request.sampling)
         tokens = list(request.token_ids)
         annotate(**{SPECDEC_SESSION_ID: request.session_id, "specdec.num_prompt_tokens": len(tokens)})
-        position, first = await self._step(
-            "prefill", len(tokens), self.engine.start_session,
-            request.session_id, tokens, params, request.sample_first_token,
+        position, first, draft_limit = await self._step(
+            "prefill", len(tokens), self._start_session,
+            request.session_id, tokens, params, request.sample_first_token, request.drafts_elsewhere,
         )
         response = target_pb2.TargetServiceStartSessionResponse(position=position)
         if first is not None:
             response.first_token_id = first
+        if draft_limit is not None:
+            response.draft_limit = draft_limit
         return response
+
+    def _start_session(self, session_id: str, tokens: list[int], params, sample_first_token: bool,
+                       drafts_elsewhere: bool) -> tuple[int, int | None, int | None]:
+        """On the model thread (the trimmer is confined to it): the prefill, then for a session that
+        will draft on a draft service, whether the cycle pricing refuses it from the start."""
+        position, first = self.engine.start_session(session_id, tokens, params, sample_first_token)
+        draft_limit = None
+        if drafts_elsewhere and self.trimmer is not None:
+            draft_limit = self.trimmer.admit_drafting_elsewhere(session_id, time.perf_counter())
+        return position, first, draft_limit
 
     async def Verify(self, request, context):
         received_ns = time.perf_counter_ns()

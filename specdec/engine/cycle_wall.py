@@ -74,6 +74,15 @@ class CycleWallPricing:
             return self._inherited_refusal() > 0 and _drafted_elsewhere(work)
         return pace.refused_for > 0
 
+    def admit(self, session_id: str, now: float) -> int:
+        """A session that will draft elsewhere starts (StartSession says so): the plain steps it is
+        refused for from the start (what is left of the latest refusal's window; 0: it may draft). A
+        refused one is told at once, so its coordinator never opens a draft session for it."""
+        refused = self._inherited_refusal()
+        if refused:  # (unrefused, its first row sets the clock: a cycle is not measured from a prefill)
+            self._remember(session_id, _Pace(last_result=now, refused_for=refused, backoff=self._verdict_len))
+        return refused
+
     def _inherited_refusal(self) -> int:
         """Plain steps left of the latest refusal's window: what a new session starts refused for."""
         return max(0, self._verdict_step + self._verdict_len - self._steps) if self._verdict_len else 0

@@ -196,6 +196,13 @@ class DraftTrimmer:
             self.draft_step_s = per_step if self.draft_step_s is None else \
                 decay * self.draft_step_s + (1 - decay) * per_step
 
+    def admit_drafting_elsewhere(self, session_id: str, now: float) -> int | None:
+        """A new session whose drafts will come from a draft service: 0 if the cycle pricing refuses
+        it from the start (its plain steps then say so too), else None (nothing to say)."""
+        if self.cycle_wall is None or not self.cycle_wall.admit(session_id, now):
+            return None
+        return 0
+
     def _refused(self, works: Sequence[Work]) -> set[int]:
         """The rows whose sessions cycle_wall refuses for now (their drafts do not pay their round trips)."""
         if self.cycle_wall is None:

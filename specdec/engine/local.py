@@ -22,7 +22,8 @@ class LocalTarget:
         self.engine = engine
 
     async def start_session(
-        self, session_id: str, token_ids: Sequence[int], params: SamplingParams, sample_first_token: bool = True
+        self, session_id: str, token_ids: Sequence[int], params: SamplingParams, sample_first_token: bool = True,
+        drafts_elsewhere: bool = False,  # in process: no round trips to price
     ) -> tuple[int, int | None]:
         return self.engine.start_session(session_id, token_ids, params, sample_first_token)
 

@@ -221,6 +221,13 @@ class DraftLengthPolicy:
         if num_tokens == 0:
             self._probe_interval = min(2 * self._probe_interval, 16 * self.probe_every)
 
+    def start_refused(self) -> None:
+        """The target said at the session's start that it would cut a draft to nothing (cycles through
+        the draft service lose under its load): start plain, and probe only once its plain steps'
+        draft_limit allows one, as after a refusal mid-session."""
+        self._current = 0
+        self._target_refuses = True
+
     def observe_plain(self, step_s: float, overhead_s: float = 0.0, draft_limit: int | None = None) -> None:
         """A plain step: its model seconds, its seconds outside the model, and how many drafted tokens
         the target would have verified in that step (None: it did not say). While the target says 0,

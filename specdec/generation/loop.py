@@ -70,6 +70,9 @@ class SessionCursor:
     draft_committed: int = 0  # the draft's known-committed prefix length
     draft_epoch: int = 0
     draft_ready: bool = False  # the draft holds a session for this cursor
+    # What the target said when the session started (StartSession with drafts_elsewhere): 0, a draft
+    # from elsewhere would be cut to nothing under its load now, so start plain (no draft session).
+    target_draft_limit: int | None = None
 
     @property
     def position(self) -> int:
@@ -144,6 +147,8 @@ class SpeculativeLoop:
         the moment it is committed (and kept)."""
         stats = SpeculationStats()
         plain_cycles_left = 0 if self.draft is not None else -1  # -1: never speculate
+        if self.policy is not None and cursor.target_draft_limit == 0:
+            self.policy.start_refused()
         try:
             return await self._run(cursor, stop, emit, stats, plain_cycles_left)
         finally:  # an error or a cancelled turn: the next turn truncates the target to its record
@@ -369,7 +374,7 @@ async def generate(
     settings: LoopSettings | None = None,
 ) -> GenerationResult:
     """One whole generation for a new session: prefill, first token, then the loop."""
-    cursor, first = await start_generation(target, session_id, prompt_ids, params)
+    cursor, first = await start_generation(target, session_id, prompt_ids, params, drafts_elsewhere=draft is not None)
     keep, reason = stop.check([first])
     await emit([first])
     if reason is not None:
@@ -380,11 +385,15 @@ async def generate(
 
 
 async def start_generation(
-    target: TargetAPI, session_id: str, prompt_ids: Sequence[int], params: SamplingParams
+    target: TargetAPI, session_id: str, prompt_ids: Sequence[int], params: SamplingParams,
+    drafts_elsewhere: bool = False,
 ) -> tuple[SessionCursor, int]:
     """Open the target session (prefill) and return a cursor and the first token."""
-    position, first = await target.start_session(session_id, prompt_ids, params, sample_first_token=True)
+    with measure_cycle() as opening:  # the target may say: start plain (target_draft_limit)
+        position, first = await target.start_session(session_id, prompt_ids, params, sample_first_token=True,
+                                                     drafts_elsewhere=drafts_elsewhere)
     info = await target.info()
-    cursor = SessionCursor(session_id, params, list(prompt_ids) + [first], info.max_context)
+    cursor = SessionCursor(session_id, params, list(prompt_ids) + [first], info.max_context,
+                           target_draft_limit=opening.target_draft_limit)
     assert cursor.position == position
     return cursor, first
