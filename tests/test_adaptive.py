@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from specdec.generation.adaptive import DraftLengthPolicy, expected_tokens
+from specdec.generation.adaptive import UNTIL_TOLD, DraftLengthPolicy, expected_tokens
 
 
 def test_expected_tokens_matches_the_geometric_series():
@@ -288,15 +288,16 @@ def test_plain_run_says_how_many_plain_steps_come_before_the_next_probe():
 
 def test_no_probe_while_the_target_says_it_would_verify_no_draft():
     """The target's draft_limit of each plain step: 0 holds the probes back (fixed and adaptive
-    lengths alike) and makes plain runs last a probe interval; once it says more, or nothing, the
+    lengths alike) and makes a plain run last until it says otherwise; once it says more, or nothing, the
     probe that was due comes at once."""
     for policy in (DraftLengthPolicy(initial=4, max_tokens=4, probe_every=3, adapt=False),
                    DraftLengthPolicy(initial=4, max_tokens=8, probe_every=3, first_probe_after=3)):
         policy.observe_cycle(0, 0, 0.0, 0.05)
         policy.limit(0)  # trimmed to nothing: plain decoding
-        for _ in range(40):
+        for step in range(40):
             assert policy.next_k() == 0
-            assert policy.plain_run() == policy._probe_interval
+            # Once a plain step said 0: one streamed run until the target allows a probe.
+            assert policy.plain_run() == (UNTIL_TOLD if step else policy._probe_interval)
             policy.observe_plain(0.05, draft_limit=0)
         policy.observe_plain(0.05, draft_limit=2)
         assert policy.next_k() > 0  # overdue: at once
@@ -307,6 +308,16 @@ def test_no_probe_while_the_target_says_it_would_verify_no_draft():
             policy.observe_plain(0.05, draft_limit=None)  # an older target, or a session alone
             waits += 1
         assert 0 < waits <= 48  # probed on the usual (doubled) interval
+
+
+def test_a_session_the_target_refuses_at_its_start_decodes_plainly_until_told_otherwise():
+    for policy in (DraftLengthPolicy(initial=4, max_tokens=4, adapt=False), DraftLengthPolicy(initial=4)):
+        policy.start_refused()
+        for _ in range(40):
+            assert policy.next_k() == 0 and policy.plain_run() == UNTIL_TOLD
+            policy.observe_plain(0.05, draft_limit=0)
+        policy.observe_plain(0.05, draft_limit=4)
+        assert policy.next_k() == 4  # 41 plain steps: the probe is overdue
 
 
 @pytest.mark.parametrize("argv, adaptive_max, plain_streaming", [

@@ -23,7 +23,9 @@ service are the same for all). The window is counted in the target's steps, not 
 own: counted per session, a refusal longer than a request would pass from each session to the next
 one, none would ever probe, and speculation would stay off for good (a canary saw exactly that). After
 the window, new sessions draft, and their first measured cycle decides afresh (doubling the refusal if
-it still loses); one verdict that pays lets new sessions draft at once again. Drafts
+it still loses); one verdict that pays lets new sessions draft at once again. A coordinator that
+says at StartSession that the session will draft elsewhere is told there (admit), so a session
+refused from its start opens no draft session and pays no draft prefill and no Propose at all. Drafts
 made inside the target (inner_draft.py) are never away, so they always pass.
 
 Like the trimmer, this only chooses how many drafted tokens to verify: the output is unchanged.

@@ -47,6 +47,9 @@ from specdec.generation.confidence import ConfidenceCalibration
 from specdec.generation.forward_cost import ForwardCost
 
 
+UNTIL_TOLD = 1 << 20  # a plain run's length while the target refuses drafts: the loop caps it at the budget
+
+
 def expected_tokens(acceptance: float, k: int) -> float:
     """E(k) = 1 + a + ... + a^k: tokens a cycle of k drafted tokens commits on average, when every
     drafted token is accepted with the same probability a (Leviathan et al., eq. 1)."""
@@ -142,8 +145,11 @@ class DraftLengthPolicy:
         (up to the next probe while off, else this exploring step alone), so that the loop decodes
         them as one streamed run."""
         if self._current == 0:
-            if self._target_refuses:  # until it says otherwise (the run ends then, at the next probe)
-                return self._probe_interval
+            # While the target refuses: until it says otherwise (the loop ends the run at the next
+            # probe). A run of a probe interval restarted the stream every 16 steps for nothing, and
+            # each restart put the session a step out of phase with the others in the target's batch.
+            if self._target_refuses:
+                return UNTIL_TOLD
             return max(1, self._probe_interval - self._plain_since_probe)
         return 1
 
