@@ -10,6 +10,10 @@ A service is started with `python -m <module>` on free ports it picks itself (--
 through --ready-file; start_service returns once grpc.health.v1 says SERVING. Start several at once
 with launch() + wait_ready() so their startups (imports, model loading) overlap. Output goes to a log
 file whose tail is shown when a service fails to come up.
+
+A launched service exits with its launcher: it is told the launcher's pid (EXIT_WITH_PARENT) and
+shuts down gracefully once it is no longer its parent's child. A launcher killed with SIGKILL (a CI
+timeout, an interrupted pytest) used to leave its services running, holding ports and cores.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+# The launcher's pid, in a launched service's environment: the service exits once it is orphaned.
+EXIT_WITH_PARENT = "SPECDEC_EXIT_WITH_PARENT"
 # The folder holding the specdec package: children import the same code as their parent.
 SOURCE_ROOT = Path(__file__).resolve().parents[1]
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -164,7 +170,7 @@ def launch(
     for flag in ("--port", "--metrics-port"):
         if flag not in args:
             extra += [flag, "0"]
-    child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    child_env = {**os.environ, "PYTHONUNBUFFERED": "1", EXIT_WITH_PARENT: str(os.getpid()), **(env or {})}
     child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SOURCE_ROOT), child_env.get("PYTHONPATH")]))
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen([sys.executable, "-m", module, *args, *extra], cwd=cwd, env=child_env,
@@ -194,3 +200,22 @@ def stop_all(*procs: ServiceProcess, timeout_s: float = 20.0) -> None:
         proc.signal(signal.SIGTERM)
     for proc in procs:
         proc.stop(timeout_s)
+
+
+def exit_with_parent(poll_s: float = 0.5) -> None:
+    """In a service: if launched with EXIT_WITH_PARENT, SIGTERM ourselves (the graceful shutdown)
+    once that process is no longer our parent. A daemon thread polls getppid(): portable, and unlike
+    PR_SET_PDEATHSIG it does not fire when merely the launching thread ends."""
+    import threading
+
+    parent = os.environ.pop(EXIT_WITH_PARENT, "")  # popped: the service's own children are not ours
+    if not parent.isdigit():
+        return
+
+    def watch() -> None:
+        while os.getppid() == int(parent):
+            time.sleep(poll_s)
+        print(f"launcher (pid {parent}) is gone: shutting down", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()

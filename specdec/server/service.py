@@ -188,7 +188,9 @@ def run_traced(settings: ServerSettings, serve: Callable[[Any], Awaitable[None]]
     import asyncio
 
     from specdec.observability.tracing import setup_tracing
+    from specdec.processes import exit_with_parent
 
+    exit_with_parent()  # launched by specdec.processes: not outliving the launcher
     tracing = settings.tracing
     provider = setup_tracing(tracing.service_name, tracing.sampling_ratio)
     try:
