@@ -296,6 +296,23 @@ def test_drafts_inside_the_target_deploy_no_draft_pods(proposer):
         validate(doc)
 
 
+def test_the_targets_draft_trimming_and_the_drafts_copy_threshold_are_values(default_docs):
+    """target.draftTrimming (default goodput, the service's own default) and draft.copyBelow (null:
+    the service's default) become the services' flags; values outside their range fail the schema."""
+    def args(docs, deployment, container):
+        return containers(by_kind(docs, "Deployment")[deployment])[container]["args"]
+
+    for pool in ("speculative", "baseline"):
+        assert "--draft-trimming=goodput" in args(default_docs, f"specdec-target-{pool}", "target")
+    assert not any(a.startswith("--copy-below") for a in args(default_docs, "specdec-draft-speculative", "draft"))
+    docs = render({"target": {"draftTrimming": "step"}, "draft": {"copyBelow": 0}})
+    assert "--draft-trimming=step" in args(docs, "specdec-target-speculative", "target")
+    assert "--copy-below=0" in args(docs, "specdec-draft-speculative", "draft")
+    for bad in ({"target": {"draftTrimming": "always"}}, {"draft": {"copyBelow": 2}}):
+        report = helm.lint(CHART, bad, strict=True)
+        assert report["errors"] or [m for m in report["messages"] if m["severity"] >= 2], bad
+
+
 def test_autoscaling_on_serving_metrics_not_cpu(default_docs):
     hpas = by_kind(default_docs, "HorizontalPodAutoscaler")
     targets = {**by_kind(default_docs, "Deployment")}
