@@ -77,6 +77,12 @@ def test_bench_runs_end_to_end_and_writes_the_report_and_the_plot(models, tmp_pa
     assert set(report["batch1"]["by_category"]) == {"qa", "writing"}
     assert {"t_step", "t_verify", "t_draft"} <= set(overall["_step_times"])
     assert report["concurrency"]["2"]["plain"]["requests"] == 2
+    # The target's batched steps during each method's run at 2 sessions: 2 requests of 12 tokens,
+    # 11 plain steps each (the first token comes with the prefill), in steps of 1 or 2 rows.
+    plain_batches = report["concurrency"]["2"]["plain"]["target_batches"]
+    assert 11 <= plain_batches["steps"] <= 22 and 1.0 <= plain_batches["rows_per_step"] <= 2.0
+    assert plain_batches["tokens_per_step"] >= plain_batches["rows_per_step"]
+    assert "rows/step" in result.stdout
     assert report["requests"] and all(r["num_tokens"] >= 1 for r in report["requests"])
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "speedup" in result.stdout
@@ -301,3 +307,25 @@ def test_prompt_lookup_in_the_coordinator_and_in_the_target_and_coordinator_flag
         in_target = report["batch1"]["overall"][method]
         assert in_target["lossless_fraction"] == 1.0 and in_target["cycles"] > 0, method
     assert not list((tmp_path / "logs").glob("draft_service*"))  # no draft service was started
+
+
+def test_target_batches_are_read_from_the_targets_metrics():
+    """Rows per batched step from the target's own metrics (prefills apart), as a difference."""
+    from prometheus_client import generate_latest
+
+    from specdec.bench import target_batches
+    from specdec.observability.metrics import TargetMetrics, new_registry
+
+    registry = new_registry(process=False)
+    metrics = TargetMetrics(registry)
+    before = target_batches.snapshot(generate_latest(registry).decode())
+    for rows in (4, 4, 2):
+        metrics.batch_size.labels("decode").observe(rows)
+        metrics.tokens.labels("decode").inc(rows)
+    metrics.batch_size.labels("mixed").observe(3)
+    metrics.tokens.labels("mixed").inc(7)
+    metrics.batch_size.labels("prefill").observe(1)
+    metrics.tokens.labels("prefill").inc(300)
+    counts: dict = {}
+    target_batches.add_difference(counts, before, target_batches.snapshot(generate_latest(registry).decode()))
+    assert target_batches.summary(counts) == {"steps": 4, "rows_per_step": 13 / 4, "tokens_per_step": 17 / 4}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 
+from specdec.bench import target_batches
 from specdec.bench.methods import RequestResult, is_service, is_speculative
 from specdec.bench.report import batch1_report, concurrency_report, goals, group_metrics, phase_table
 from specdec.bench.runner import Bench, Collected
@@ -26,6 +27,10 @@ def sections(results: list[RequestResult], times: list[StepTimes], methods: list
             if plain and name != "plain":
                 m["throughput_vs_plain"] = m["tokens_per_s"] / plain["tokens_per_s"]
         concurrency.update(concurrency_report([r for r in results if r.phase == "concurrency"], methods))
+        for level, table in (notes.get("target_batches") or {}).items():
+            for name, counts in table.items():
+                if name in concurrency.get(level, {}):
+                    concurrency[level][name]["target_batches"] = target_batches.summary(counts)
     netem = {}
     if notes.get("netem"):
         netem = {"network": notes["netem"]["network"], "levels": {}}
@@ -52,7 +57,8 @@ def recompute(report: dict) -> dict:
     notes = {"netem": {"network": report["netem"]["network"],
                        "levels": {lv: t["_network"] for lv, t in report["netem"]["levels"].items()}}
              if report.get("netem") else None,
-             "floor": (report.get("floor") or {}).get("target"), "floor_draft": (report.get("floor") or {}).get("draft")}
+             "floor": (report.get("floor") or {}).get("target"), "floor_draft": (report.get("floor") or {}).get("draft"),
+             "target_batches": report.get("target_batches")}
     return {**report, **sections(results, times, methods, fixed_k, notes)}
 
 
@@ -92,6 +98,7 @@ def assemble(bench: Bench, collected: Collected) -> dict:
         **sections(collected.results, collected.times, bench.methods, fixed_k, notes),
         "step_times": [t.to_dict() for t in collected.times],
         "requests": [r.to_dict() for r in collected.results],
+        "target_batches": notes.get("target_batches") or None,  # raw counts (recompute reads them)
     }
 
 
@@ -104,6 +111,14 @@ def _overhead(m: dict) -> str:
     if m.get("overhead_s_per_cycle") is None:
         return "-"
     return f"{m['overhead_s_per_cycle'] * 1e3:.1f}ms {m['overhead_fraction']:.0%}"
+
+
+def _batches(m: dict) -> str:
+    """The target's batched steps during the method's run: "steps, rows per step"."""
+    batches = m.get("target_batches")
+    if not batches or batches["rows_per_step"] is None:
+        return "-"
+    return f"{batches['steps']}, {batches['rows_per_step']:.2f}"
 
 
 def tables(report: dict) -> str:
@@ -137,13 +152,13 @@ def tables(report: dict) -> str:
     if report.get("concurrency"):
         lines.append("")
         lines.append(f"{'sessions':<9} {'method':<22} {'tok/s':>7} {'vs plain':>8} {'TPOT p50/p99 ms':>16} {'TTFT p50':>9}"
-                     f" {'overhead/cycle':>14}")
+                     f" {'overhead/cycle':>14} {'target steps, rows/step':>24}")
         for level, table in sorted(report["concurrency"].items(), key=lambda kv: int(kv[0])):
             for name, m in table.items():
                 tpot = f"{_f(m['tpot_p50_s'], '{:.1f}', 1e3)}/{_f(m['tpot_p99_s'], '{:.1f}', 1e3)}"
                 lines.append(f"{level:<9} {name:<22} {_f(m['tokens_per_s'], '{:.1f}'):>7} "
                              f"{_f(m.get('throughput_vs_plain')):>8} {tpot:>16} {_f(m['ttft_p50_s'], '{:.0f}', 1e3):>7}ms"
-                             f" {_overhead(m):>14}")
+                             f" {_overhead(m):>14} {_batches(m):>24}")
     if report.get("netem"):
         lines.append("")
         lines.append(f"network delay ({report['netem']['network']['mode']}), batch 1:")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+from specdec.bench import target_batches
 from specdec.bench.methods import RequestResult
 
 STEP_TIMES = "(engine step times)"
@@ -44,10 +45,13 @@ async def batch1(bench, timer) -> None:
                 bench.tick(f"{prompt.category} {name}")
 
 
-async def concurrency(bench, runners: dict) -> None:
+async def concurrency(bench, runners: dict, target=None) -> None:
+    """`target`: the target service's process, whose metrics say how full its steps were per method
+    and level (target_batches.py; notes["target_batches"])."""
     c = bench.config
     prompts = [bench.prompts[i % len(bench.prompts)] for i in range(c.concurrency_prompts)]
     names = list(runners)
+    batches = bench.collected.notes.setdefault("target_batches", {})
     for level in [lv for lv in c.concurrency if lv > 1]:
         for rnd in range(c.concurrency_rounds):
             for name in rotation(names, rnd):
@@ -63,8 +67,23 @@ async def concurrency(bench, runners: dict) -> None:
                         rows.append(result)
                         bench.tick(f"c={level} {name}")
 
+                before = await _target_counts(target)
                 await asyncio.gather(*(client() for _ in range(level)))
                 bench.collected.results.extend(rows)
+                after = await _target_counts(target)
+                if before is not None and after is not None:
+                    target_batches.add_difference(batches.setdefault(str(level), {}).setdefault(name, {}),
+                                                  before, after)
+
+
+async def _target_counts(target) -> dict | None:
+    """The target's step counters now (None without a target, or if its metrics did not answer)."""
+    if target is None:
+        return None
+    try:
+        return target_batches.snapshot(await asyncio.to_thread(target.metrics))
+    except OSError:
+        return None
 
 
 async def netem(bench, stack: contextlib.AsyncExitStack, deployment) -> None:

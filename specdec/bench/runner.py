@@ -246,7 +246,8 @@ class Bench:
             self.collected.notes["warmup_s"] = time.perf_counter() - started
             await phases.batch1(self, timer)
             if deployment is not None:
-                await phases.concurrency(self, {k: v for k, v in self.runners.items() if is_service(k)})
+                await phases.concurrency(self, {k: v for k, v in self.runners.items() if is_service(k)},
+                                         deployment.target)
                 if self.config.netem_ms:
                     await phases.netem(self, stack, deployment)
 
