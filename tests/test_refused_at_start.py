@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from inprocess_target import hosted
 from service_procs import tiny_model_dir
 from specdec.engine.draft import DraftEngine
 from specdec.engine.local import LocalDraft, LocalTarget
@@ -19,17 +20,11 @@ from specdec.proposers.draft_model import DraftModelProposer
 from specdec.generation.loop import LoopSettings, generate
 from specdec.generation.stopping import StopChecker
 from specdec.models.loader import load_model
-from specdec.observability.metrics import TargetMetrics, new_registry
-from specdec.rpc import target_pb2_grpc
 from specdec.sampling.params import SamplingParams
-from specdec.server.bootstrap import ModelExecutor, ServiceHost
-from specdec.server.settings import ClientSettings, ServerSettings
-from target_service.client import connect
 from target_service.servicer import TargetServicer
 
 CONTEXT = 256
 PROMPT = [3, 17, 42, 8, 99, 5]
-PLAIN = ClientSettings(plaintext=True, timeout_s=30.0)
 
 
 @pytest.fixture(scope="module")
@@ -49,27 +44,6 @@ class CountingDraft(LocalDraft):
         await super().start_session(session_id, token_ids, params)
 
 
-@pytest.fixture
-async def target_service(target_dir):
-    """(servicer, address): a TargetService with goodput trimming and cycle pricing, as served."""
-    engine = TargetEngine(load_model(target_dir, backend="native", num_slots=4, max_context=CONTEXT))
-    executor = ModelExecutor("test-target")
-    servicer = TargetServicer(engine, executor, TargetMetrics(new_registry(process=False)), max_draft_tokens=8,
-                              trim_drafts=True)
-
-    def register(server):
-        target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)
-        return ["specdec.v1.TargetService"]
-
-    host = ServiceHost(ServerSettings(port=0, plaintext=True, grace_period_s=0.0), register)
-    await host.start()
-    try:
-        yield servicer, f"127.0.0.1:{host.port}"
-    finally:
-        await host.shutdown()
-        executor.shutdown()
-
-
 async def run(target, draft, session_id: str, new_tokens: int, adaptive: bool):
     async def emit(tokens):
         pass
@@ -80,22 +54,22 @@ async def run(target, draft, session_id: str, new_tokens: int, adaptive: bool):
 
 
 @pytest.mark.parametrize("adaptive", [False, True])
-async def test_a_session_refused_at_start_opens_no_draft_and_probes_after_the_window(
-        target_service, target_dir, adaptive):
-    servicer, address = target_service
+async def test_a_session_refused_at_start_opens_no_draft_and_probes_after_the_window(target_dir, adaptive):
     reference = TargetEngine(load_model(target_dir, backend="native", num_slots=2, max_context=CONTEXT))
     expected = {n: (await run(LocalTarget(reference), None, f"plain-{n}", n, adaptive)).token_ids for n in (24, 96)}
-    pricing = servicer.trimmer.cycle_wall
     draft_model = load_model(target_dir, backend="native", num_slots=4, max_context=CONTEXT)
     draft = CountingDraft(DraftEngine(DraftModelProposer(draft_model)))
-    async with connect(address, PLAIN) as target:
+    # Goodput trimming with cycle pricing, as the service runs by default.
+    async with hosted(target_dir, TargetServicer, num_slots=4, max_context=CONTEXT, max_draft_tokens=8,
+                      trim_drafts=True) as (target, servicer):
+        pricing = servicer.trimmer.cycle_wall
         # As after a refusal on a loaded target: new sessions drafting elsewhere are refused for the
         # next 40 of its steps.
         pricing._verdict_step, pricing._verdict_len = pricing._steps, 40
         short = await run(target, draft, "short", 24, adaptive)
         assert short.token_ids == expected[24]
         assert draft.started == [] and short.stats.cycles == 0  # plain throughout, no draft session
-        # Refused for the rest of the window (16 steps); after it, its plain steps allow a probe and it
+        # A fresh window: refused for its 40 steps; after them its plain steps allow a probe and it
         # drafts: the draft session opens then, and the identical draft pays.
         pricing._verdict_step, pricing._verdict_len = pricing._steps, 40
         long = await run(target, draft, "long", 96, adaptive)
@@ -106,4 +80,4 @@ async def test_a_session_refused_at_start_opens_no_draft_and_probes_after_the_wi
         later = await run(target, draft, "later", 24, adaptive)
         assert later.token_ids == expected[24] and draft.started[-1] == "later"
         assert later.stats.cycles > later.stats.decode_steps
-    assert servicer.trimmer.cycle_wall.refusals == 0  # no verdict was reached here: only the one set above
+    assert pricing.refusals == 0  # no verdict was reached here: only the one set above

@@ -15,6 +15,7 @@ import grpc
 import grpc.aio
 import pytest
 
+from inprocess_target import hosted
 from service_procs import launch, stop_all, tiny_model_dir, wait_all
 from specdec import errors
 from specdec.engine.api import InnerDraft
@@ -291,32 +292,6 @@ def test_concurrent_streams_of_many_sessions_are_each_plain_decoding(service, re
 
 
 
-@contextlib.asynccontextmanager
-async def hosted(target_dir, servicer_class, num_slots: int = 2, **options):
-    """A servicer_class over a tiny engine on a real gRPC server in this process (so that the test
-    can reach inside it), and a client of it; yields (client, servicer)."""
-    from specdec.observability.metrics import TargetMetrics, new_registry
-    from specdec.server.bootstrap import ModelExecutor, ServiceHost
-    from specdec.server.settings import ServerSettings
-
-    engine = TargetEngine(load_model(target_dir, backend="native", num_slots=num_slots, max_context=CONTEXT))
-    executor = ModelExecutor("in-process-target")
-    servicer = servicer_class(engine, executor, TargetMetrics(new_registry(process=False)), **options)
-
-    def register(server):
-        target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)
-        return ["specdec.v1.TargetService"]
-
-    host = ServiceHost(ServerSettings(port=0, plaintext=True, grace_period_s=0.0), register)
-    await host.start()
-    try:
-        async with connect(f"127.0.0.1:{host.port}", ClientSettings(plaintext=True, timeout_s=30.0)) as target:
-            yield target, servicer
-    finally:
-        await host.shutdown()
-        executor.shutdown()
-
-
 async def test_a_target_older_than_decode_stream_gets_one_decode_call_per_step(target_dir, reference):
     """An older target answers DecodeStream with UNIMPLEMENTED: the client says so once and decodes
     with Decode calls, with the same tokens, the stop token honoured."""
@@ -330,7 +305,7 @@ async def test_a_target_older_than_decode_stream_gets_one_decode_call_per_step(t
     expected = reference(20)
     stop_token = expected[9]
     cut = expected[1:].index(stop_token) + 1
-    async with hosted(target_dir, OlderTarget) as (target, _):
+    async with hosted(target_dir, OlderTarget, max_context=CONTEXT) as (target, _):
         session_id = uuid.uuid4().hex
         position, _ = await target.start_session(session_id, PROMPT, GREEDY)
         tokens = [t async for step in target.decode_stream(session_id, position, 15, stop_token_ids=[stop_token])
@@ -349,7 +324,7 @@ async def test_each_message_says_what_a_draft_of_the_session_would_have_kept(tar
     from target_service.servicer import TargetServicer
 
     expected = reference(13)
-    async with hosted(target_dir, TargetServicer, num_slots=4, batching=BatchSettings(batch_wait_s=0.005),
+    async with hosted(target_dir, TargetServicer, num_slots=4, max_context=CONTEXT, batching=BatchSettings(batch_wait_s=0.005),
                       trim_drafts=True, trim_margin=0.2) as (target, servicer):
         servicer.trimmer.cost.fit = lambda: (0.01, beta)  # the step cost, as if measured: not the tiny model's
 
