@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from specdec.generation.adaptive import UNTIL_TOLD, DraftLengthPolicy, expected_tokens
