@@ -133,7 +133,7 @@ class SessionTarget:
         )
 
     async def start_session(self, session_id, token_ids, params, sample_first_token: bool = True,
-                            drafts_elsewhere: bool = False):
+                            drafts_elsewhere: bool = False):  # (this session's own setting applies)
         first = await self.prepare(token_ids, sample_first_token, new_session=True)
         return len(token_ids) + int(sample_first_token), first
 

@@ -147,7 +147,7 @@ class DraftLengthPolicy:
         if self._current == 0:
             # While the target refuses: until it says otherwise (the loop ends the run at the next
             # probe). A run of a probe interval restarted the stream every 16 steps for nothing, and
-            # each restart put the session a step out of phase with the others in the target's batch.
+            # a restart can cost the session its row in the others' next batched step.
             if self._target_refuses:
                 return UNTIL_TOLD
             return max(1, self._probe_interval - self._plain_since_probe)
