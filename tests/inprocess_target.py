@@ -18,7 +18,7 @@ from target_service.client import connect
 @contextlib.asynccontextmanager
 async def hosted(target_dir, servicer_class, num_slots: int = 2, max_context: int = 256, **options):
     """servicer_class(engine, executor, metrics, **options) served on a free port; yields (client,
-    servicer)."""
+    servicer), and sets servicer.test_address to where it is served (for a coordinator under test)."""
     engine = TargetEngine(load_model(target_dir, backend="native", num_slots=num_slots, max_context=max_context))
     executor = ModelExecutor("in-process-target")
     servicer = servicer_class(engine, executor, TargetMetrics(new_registry(process=False)), **options)
@@ -29,6 +29,7 @@ async def hosted(target_dir, servicer_class, num_slots: int = 2, max_context: in
 
     host = ServiceHost(ServerSettings(port=0, plaintext=True, grace_period_s=0.0), register)
     await host.start()
+    servicer.test_address = f"127.0.0.1:{host.port}"
     try:
         async with connect(f"127.0.0.1:{host.port}", ClientSettings(plaintext=True, timeout_s=30.0)) as target:
             yield target, servicer

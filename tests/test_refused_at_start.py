@@ -5,7 +5,8 @@ such a session still cost the loaded target (docs/BENCHMARKS.md). Once the refus
 its plain steps say so and it probes. The output is plain decoding's either way.
 
 The target is a real TargetService over gRPC in this process (so that the test can set the refusal
-it would otherwise take a loaded machine to reach), the draft a real draft engine in process."""
+it would otherwise take a loaded machine to reach); the draft a real draft engine in process, or a
+draft service in its own process behind a real coordinator."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from specdec.engine.draft import DraftEngine
 from specdec.engine.local import LocalDraft, LocalTarget
 from specdec.engine.target import TargetEngine
 from specdec.proposers.draft_model import DraftModelProposer
+from specdec.rpc import coordinator_pb2 as pb
 from specdec.generation.loop import LoopSettings, generate
 from specdec.generation.stopping import StopChecker
 from specdec.models.loader import load_model
@@ -81,3 +83,36 @@ async def test_a_session_refused_at_start_opens_no_draft_and_probes_after_the_wi
         assert later.token_ids == expected[24] and draft.started[-1] == "later"
         assert later.stats.cycles > later.stats.decode_steps
     assert pricing.refusals == 0  # no verdict was reached here: only the one set above
+
+
+async def test_through_the_coordinator_a_refused_session_never_touches_the_draft_service(
+        target_dir, redis_url, tmp_path_factory):
+    """The coordinator's turn says at StartSession that its drafts come from the draft service, reads
+    the answer and starts plain: the draft service prefills nothing; the answer is plain decoding's."""
+    from coordinator_harness import Reference, expected, running_coordinator, tokens_of
+    from service_procs import start_service
+    from specdec.server.tokenizer_info import tokenizer_facts
+
+    reference = Reference(target_dir, CONTEXT)
+    prompt = "Count with me:"
+    want = expected(reference, reference.prompt_ids(prompt), 20)
+    draft_service = start_service("draft_service", ["--model", str(target_dir), "--plaintext", "--max-context",
+                                                    str(CONTEXT)], log_dir=tmp_path_factory.mktemp("refused-logs"))
+    try:
+        # The tokenizer's facts, as the service reports them: the coordinator pairs a draft only with a
+        # target whose vocabulary it knows to match.
+        async with hosted(target_dir, TargetServicer, num_slots=4, max_context=CONTEXT, max_draft_tokens=8,
+                          trim_drafts=True, tokenizer=tokenizer_facts(target_dir)) as (_, servicer):
+            pricing = servicer.trimmer.cycle_wall
+            pricing._verdict_step, pricing._verdict_len = pricing._steps, 1000  # refused, for longer than the test
+            async with running_coordinator(redis_url, target_dir, [servicer.test_address],
+                                           [draft_service.address]) as c:
+                messages = await c.generate(prompt=prompt, max_new_tokens=20)
+        prefills = [line for line in draft_service.metrics().splitlines()
+                    if line.startswith("specdec_draft_step_latency_seconds_count") and 'step="prefill"' in line]
+    finally:
+        draft_service.stop()
+    assert tokens_of(messages) == want
+    stats = messages[-1].stats
+    assert stats.pool == pb.POOL_SPECULATIVE and stats.cycles == 0 and stats.decode_steps == len(want) - 1
+    assert not prefills or all(float(line.split()[-1]) == 0 for line in prefills)  # no draft session opened
