@@ -59,14 +59,16 @@ def test_a_draft_service_session_whose_cycles_lose_to_plain_steps_is_refused_for
     kept = steps.cycles("slow", 4, every=6, accepted=2)
     # The first cycle sets the clock; a verdict needs two measured cycles; the next draft is cut to nothing.
     assert kept == [4, 4, 4, 0] and trimmer.cycle_wall.refusals == 1
-    # Plain now, and told that no draft would be verified (so its coordinator makes no probe), for 8 of
+    # Plain now, and told that no draft would be verified (so its coordinator makes no probe), for 32 of
     # its steps (the first refusal; the verify cut to nothing was one of them).
+    first = trimmer.cycle_wall.first_backoff
+    assert first == 32
     refused_steps = 1
     while trimmer.cycle_wall.refuses("slow"):
         steps.run([DecodeWork("slow", 10)], [[1]])
         assert trimmer.draft_limits["slow"] == 0
         refused_steps += 1
-    assert refused_steps == 8
+    assert refused_steps == first
     steps.run([DecodeWork("slow", 10)], [[1]])
     assert trimmer.draft_limits["slow"] > 0  # a probe may come
     # It probes (measured from its last plain step: the switch is part of the cycle), still loses, and
@@ -77,7 +79,7 @@ def test_a_draft_service_session_whose_cycles_lose_to_plain_steps_is_refused_for
     while trimmer.cycle_wall.refuses("slow"):
         steps.run([DecodeWork("slow", 10)], [[1]])
         refused_steps += 1
-    assert refused_steps == 16
+    assert refused_steps == 2 * first
 
 
 def test_new_sessions_start_from_the_latest_verdict():
@@ -110,18 +112,19 @@ def test_the_latest_refusal_passes_to_new_sessions_for_its_window_of_steps_only(
     not pass from each session to the next, with none ever probing (speculation off for good)."""
     trimmer = gpu_trimmer()
     steps = Steps(trimmer)
-    assert steps.cycles("slow", 4, every=6, accepted=2) == [4, 4, 4, 0]  # refused for 8 steps
+    first = trimmer.cycle_wall.first_backoff
+    assert steps.cycles("slow", 4, every=6, accepted=2) == [4, 4, 4, 0]  # refused for `first` steps
     steps.run([external("early")], [VerifyOutcome(0, 4, 4, 0)])
     assert trimmer.cycle_wall.refuses("early")  # within the window: starts refused for what is left
-    for _ in range(7):
+    for _ in range(first - 1):
         steps.run()
     # The window is over, though "early" never ran a plain step of its refusal: a new session drafts,
     # and its first measured cycle decides; still losing, the refusal doubles.
     assert steps.cycles("late", 2, every=6, accepted=2) == [4, 4]
     assert trimmer.cycle_wall.refuses("late") and trimmer.cycle_wall.refusals == 2
-    for _ in range(15):
+    for _ in range(2 * first - 1):
         steps.run()
-    assert steps.cycles("later", 1, every=1, accepted=2) == [0]  # 16 steps: still within it
+    assert steps.cycles("later", 1, every=1, accepted=2) == [0]  # 2 * first steps: still within it
     steps.run()
     assert steps.cycles("latest", 1, every=1, accepted=2) == [4]
 

@@ -52,7 +52,7 @@ class _Pace:
 
 
 class CycleWallPricing:
-    def __init__(self, margin: float = 0.0, decay: float = 0.7, min_cycles: int = 2, first_backoff: int = 8,
+    def __init__(self, margin: float = 0.0, decay: float = 0.7, min_cycles: int = 2, first_backoff: int = 32,
                  max_backoff: int = 128, max_sessions: int = 4096):
         # min_cycles: a session's first verdict waits for this many measured cycles (the first one
         # after a plain run also pays the switch: a plain run cancelled, the draft catching up). A
