@@ -50,10 +50,12 @@ class SessionTarget:
         failover_timeout_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
         drafts_elsewhere: bool = False,
+        draft_source: str = "",
     ):
         self.router, self.pool, self.session_id, self.params = router, pool, session_id, params
         self.endpoint = endpoint
-        self.drafts_elsewhere = drafts_elsewhere  # its drafts come from a draft service (StartSession says)
+        # Its drafts come from a draft service (StartSession says so, and which: draft_source).
+        self.drafts_elsewhere, self.draft_source = drafts_elsewhere, draft_source
         self.committed = committed  # the committed sequence as the loop knows it (cursor.tokens)
         self.guard = guard  # raises when the turn must stop instead of rebuilding anything
         self.on_moved = on_moved
@@ -133,7 +135,7 @@ class SessionTarget:
         )
 
     async def start_session(self, session_id, token_ids, params, sample_first_token: bool = True,
-                            drafts_elsewhere: bool = False):  # (this session's own setting applies)
+                            drafts_elsewhere: bool = False, draft_source: str = ""):  # (its own apply)
         first = await self.prepare(token_ids, sample_first_token, new_session=True)
         return len(token_ids) + int(sample_first_token), first
 
@@ -198,11 +200,13 @@ class SessionTarget:
     async def _start(self, client, tokens: Sequence[int], need_first: bool) -> int | None:
         try:
             _, first = await client.start_session(self.session_id, tokens, self.params, need_first,
-                                                  drafts_elsewhere=self.drafts_elsewhere)
+                                                  drafts_elsewhere=self.drafts_elsewhere,
+                                                  draft_source=self.draft_source)
         except SessionExists:  # the replica still holds a copy whose state is unknown: replace it
             await client.end_session(self.session_id)
             _, first = await client.start_session(self.session_id, tokens, self.params, need_first,
-                                                  drafts_elsewhere=self.drafts_elsewhere)
+                                                  drafts_elsewhere=self.drafts_elsewhere,
+                                                  draft_source=self.draft_source)
         self.rebuilds += 1
         return first
 

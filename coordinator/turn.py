@@ -137,6 +137,7 @@ class Turn:
             committed=lambda: self.cursor.tokens, guard=self.check_owner,
             on_moved=lambda endpoint: self.recorder.set_fields(target_replica=endpoint),
             failover_timeout_s=settings.failover_timeout_s, drafts_elsewhere=plan.draft_endpoint is not None,
+            draft_source=plan.draft_endpoint or "",
         )
         self.draft = None
         if plan.draft_endpoint is not None:

@@ -61,11 +61,11 @@ class TargetClient(ServiceClient):
 
     async def start_session(
         self, session_id: str, token_ids: Sequence[int], params: SamplingParams, sample_first_token: bool = True,
-        drafts_elsewhere: bool = False,
+        drafts_elsewhere: bool = False, draft_source: str = "",
     ) -> tuple[int, int | None]:
         request = target_pb2.TargetServiceStartSessionRequest(
             session_id=session_id, token_ids=list(token_ids), sampling=sampling_params_to_proto(params),
-            sample_first_token=sample_first_token, drafts_elsewhere=drafts_elsewhere,
+            sample_first_token=sample_first_token, drafts_elsewhere=drafts_elsewhere, draft_source=draft_source,
         )
         response = await self._call(self._stub.StartSession, request, session_id)
         if response.HasField("draft_limit"):  # into the cycle being measured, as a plain step's is

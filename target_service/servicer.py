@@ -118,6 +118,7 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
         position, first, draft_limit = await self._step(
             "prefill", len(tokens), self._start_session,
             request.session_id, tokens, params, request.sample_first_token, request.drafts_elsewhere,
+            request.draft_source,
         )
         response = target_pb2.TargetServiceStartSessionResponse(position=position)
         if first is not None:
@@ -127,13 +128,13 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
         return response
 
     def _start_session(self, session_id: str, tokens: list[int], params, sample_first_token: bool,
-                       drafts_elsewhere: bool) -> tuple[int, int | None, int | None]:
+                       drafts_elsewhere: bool, draft_source: str) -> tuple[int, int | None, int | None]:
         """On the model thread (the trimmer is confined to it): the prefill, then for a session that
         will draft on a draft service, whether the cycle pricing refuses it from the start."""
         position, first = self.engine.start_session(session_id, tokens, params, sample_first_token)
         draft_limit = None
         if drafts_elsewhere and self.trimmer is not None:
-            draft_limit = self.trimmer.admit_drafting_elsewhere(session_id, time.perf_counter())
+            draft_limit = self.trimmer.admit_drafting_elsewhere(session_id, time.perf_counter(), draft_source)
         return position, first, draft_limit
 
     async def Verify(self, request, context):

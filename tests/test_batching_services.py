@@ -100,7 +100,10 @@ async def test_concurrent_speculative_sessions_equal_plain_decoding(services, pl
     for i in range(SESSIONS):
         assert got[i] == plain[i], f"session {i} ({PARAMS[i % len(PARAMS)]})"
     assert batched(services["target"].metrics(), "specdec_target_batch_size")
-    assert batched(services[kind].metrics(), "specdec_draft_batch_size")
+    if kind == "same":
+        # Only the model draft: an n-gram Propose takes microseconds, so two overlap only by chance,
+        # and fewer still once the target's cycle pricing sends these fast tiny sessions plain.
+        assert batched(services[kind].metrics(), "specdec_draft_batch_size")
 
 
 async def test_a_draft_service_that_loses_under_load_is_refused_and_output_is_unchanged(services, dirs):

@@ -167,3 +167,19 @@ def test_pricing_measures_wall_time_from_the_previous_result():
     step(0.100, [external("s"), *others], [VerifyOutcome(0, 4, 0, 0), [1]])  # 1 token in 60 ms
     assert pricing.refuses("s")
     assert pricing.active_sessions(0.110, 0.06) == 2 and pricing.active_sessions(5.0, 0.06) == 0
+
+
+def test_each_draft_source_has_its_own_window():
+    """A slow draft service's refusal holds back new sessions of that draft service only: StartSession
+    names the source (admit), and a session of another source drafts at once."""
+    trimmer = gpu_trimmer()
+    steps = Steps(trimmer)
+    pricing = trimmer.cycle_wall
+    pricing.admit("slow", steps.now, source="draft-a:50053")
+    assert steps.cycles("slow", 3, every=6, accepted=2) == [4, 4, 4] and pricing.refuses("slow")
+    assert pricing.admit("next-a", steps.now, source="draft-a:50053") > 0  # refused from its start
+    assert pricing.refuses("next-a")
+    assert pricing.admit("next-b", steps.now, source="draft-b:50053") == 0  # another source: drafts
+    assert steps.cycles("next-b", 1, every=1, accepted=4) == [4] and not pricing.refuses("next-b")
+    # A session whose StartSession named no source shares the unnamed window only.
+    assert steps.cycles("unnamed", 1, every=1, accepted=4) == [4]

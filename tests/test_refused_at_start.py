@@ -66,19 +66,19 @@ async def test_a_session_refused_at_start_opens_no_draft_and_probes_after_the_wi
                       trim_drafts=True) as (target, servicer):
         pricing = servicer.trimmer.cycle_wall
         # As after a refusal on a loaded target: new sessions drafting elsewhere are refused for the
-        # next 40 of its steps.
-        pricing._verdict_step, pricing._verdict_len = pricing._steps, 40
+        # next 40 of its steps (the source "": this draft engine in process has no address).
+        pricing._verdicts[""] = (pricing._steps, 40)
         short = await run(target, draft, "short", 24, adaptive)
         assert short.token_ids == expected[24]
         assert draft.started == [] and short.stats.cycles == 0  # plain throughout, no draft session
         # A fresh window: refused for its 40 steps; after them its plain steps allow a probe and it
         # drafts: the draft session opens then, and the identical draft pays.
-        pricing._verdict_step, pricing._verdict_len = pricing._steps, 40
+        pricing._verdicts[""] = (pricing._steps, 40)
         long = await run(target, draft, "long", 96, adaptive)
         assert long.token_ids == expected[96]
         assert draft.started == ["long"] and long.stats.cycles > 0
         # A session that starts once the window is over drafts at once.
-        assert pricing._inherited_refusal() == 0
+        assert pricing._inherited_refusal("") == 0
         later = await run(target, draft, "later", 24, adaptive)
         assert later.token_ids == expected[24] and draft.started[-1] == "later"
         assert later.stats.cycles > later.stats.decode_steps
@@ -104,15 +104,26 @@ async def test_through_the_coordinator_a_refused_session_never_touches_the_draft
         async with hosted(target_dir, TargetServicer, num_slots=4, max_context=CONTEXT, max_draft_tokens=8,
                           trim_drafts=True, tokenizer=tokenizer_facts(target_dir)) as (_, servicer):
             pricing = servicer.trimmer.cycle_wall
-            pricing._verdict_step, pricing._verdict_len = pricing._steps, 1000  # refused, for longer than the test
             async with running_coordinator(redis_url, target_dir, [servicer.test_address],
                                            [draft_service.address]) as c:
+                # A refusal of another draft source says nothing of this one: the session drafts.
+                pricing._verdicts["other-draft:50053"] = (pricing._steps, 1000)
+                other = await c.generate(prompt=prompt, max_new_tokens=20)
+                # Its own source refused (for longer than the test): plain from the start.
+                pricing._verdicts[draft_service.address] = (pricing._steps, 1000)
+                prefills_before = _prefills(draft_service)
                 messages = await c.generate(prompt=prompt, max_new_tokens=20)
-        prefills = [line for line in draft_service.metrics().splitlines()
-                    if line.startswith("specdec_draft_step_latency_seconds_count") and 'step="prefill"' in line]
+                prefills_after = _prefills(draft_service)
     finally:
         draft_service.stop()
+    assert tokens_of(other) == want and other[-1].stats.cycles > 0 and prefills_before >= 1
     assert tokens_of(messages) == want
     stats = messages[-1].stats
     assert stats.pool == pb.POOL_SPECULATIVE and stats.cycles == 0 and stats.decode_steps == len(want) - 1
-    assert not prefills or all(float(line.split()[-1]) == 0 for line in prefills)  # no draft session opened
+    assert prefills_after == prefills_before  # no draft session opened
+
+
+def _prefills(service) -> float:
+    """StartSession calls the draft service has served (its prefill steps)."""
+    return sum(float(line.split()[-1]) for line in service.metrics().splitlines()
+               if line.startswith("specdec_draft_step_seconds_count") and 'step="prefill"' in line)

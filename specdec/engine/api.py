@@ -57,10 +57,12 @@ class TargetAPI(Protocol):
         params: SamplingParams,
         sample_first_token: bool = True,
         drafts_elsewhere: bool = False,
+        draft_source: str = "",
     ) -> tuple[int, int | None]:
         """Prefill and commit token_ids; return (position, first token or None when restoring).
-        drafts_elsewhere: the session's drafts will not be made inside the target; a target that
-        prices their cycles may report a draft limit of 0 into the measured cycle (cycle_cost.py)."""
+        drafts_elsewhere: the session's drafts will not be made inside the target (they come from
+        draft_source, e.g. the draft service's address); a target that prices their cycles may report
+        a draft limit of 0 into the measured cycle (cycle_cost.py)."""
 
     async def verify(self, session_id: str, position: int, draft: DraftBlock, epoch: int = 0) -> VerifyOutcome:
         """Verify draft tokens at [position, position + k), commit accepted + recovered/bonus."""

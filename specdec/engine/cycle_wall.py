@@ -25,7 +25,9 @@ one, none would ever probe, and speculation would stay off for good (a canary sa
 the window, new sessions draft, and their first measured cycle decides afresh (doubling the refusal if
 it still loses); one verdict that pays lets new sessions draft at once again. A coordinator that
 says at StartSession that the session will draft elsewhere is told there (admit), so a session
-refused from its start opens no draft session and pays no draft prefill and no Propose at all. Drafts
+refused from its start opens no draft session and pays no draft prefill and no Propose at all. It
+also names the draft source there (the draft service's address), and each source has its own
+window: a slow draft service's verdict says nothing of another's cycles. Drafts
 made inside the target (inner_draft.py) are never away, so they always pass.
 
 Like the trimmer, this only chooses how many drafted tokens to verify: the output is unchanged.
@@ -49,6 +51,7 @@ class _Pace:
     cycles: int = 0  # cycles measured since the last reset
     refused_for: int = 0  # plain steps left before the session may draft again
     backoff: int = 0  # the next refusal's length in plain steps (doubles while refusals follow)
+    source: str = ""  # where its drafts come from (StartSession's draft_source; "": not said)
 
 
 class CycleWallPricing:
@@ -62,8 +65,11 @@ class CycleWallPricing:
         self.max_sessions = max_sessions
         self.refusals = 0  # sessions refused so far (a metric)
         self._steps = 0  # steps observed: the clock of the latest refusal's window for new sessions
-        self._verdict_step = 0  # the step of the latest verdict
-        self._verdict_len = 0  # plain steps the latest verdict refused for (0: it paid)
+        # Per draft source: (the step of its latest refusal, the plain steps it refused for); absent
+        # once one of its verdicts paid. One window per source: a slow draft service's verdict must
+        # not hold back the new sessions of another.
+        self._verdicts: dict[str, tuple[int, int]] = {}
+        self._sources: OrderedDict[str, str] = OrderedDict()  # session -> draft source (StartSession)
         self._sessions: OrderedDict[str, _Pace] = OrderedDict()
         self._gap_s: float | None = None  # between one step's end and the next one's start, when busy
         self._last_end: float | None = None
@@ -73,21 +79,31 @@ class CycleWallPricing:
         for a session not seen yet (a draft from elsewhere starts from the latest verdict)."""
         pace = self._sessions.get(session_id)
         if pace is None:
-            return self._inherited_refusal() > 0 and _drafted_elsewhere(work)
+            return self._inherited_refusal(self._sources.get(session_id, "")) > 0 and _drafted_elsewhere(work)
         return pace.refused_for > 0
 
-    def admit(self, session_id: str, now: float) -> int:
-        """A session that will draft elsewhere starts (StartSession says so): the plain steps it is
-        refused for from the start (what is left of the latest refusal's window; 0: it may draft). A
-        refused one is told at once, so its coordinator never opens a draft session for it."""
-        refused = self._inherited_refusal()
+    def admit(self, session_id: str, now: float, source: str = "") -> int:
+        """A session that will draft elsewhere (at `source`) starts (StartSession says so): the plain
+        steps it is refused for from the start (what is left of its source's latest refusal window; 0:
+        it may draft). A refused one is told at once, so its coordinator opens no draft session for it."""
+        self._sources[session_id] = source
+        self._sources.move_to_end(session_id)
+        while len(self._sources) > self.max_sessions:
+            self._sources.popitem(last=False)
+        refused = self._inherited_refusal(source)
         if refused:  # (unrefused, its first row sets the clock: a cycle is not measured from a prefill)
-            self._remember(session_id, _Pace(last_result=now, refused_for=refused, backoff=self._verdict_len))
+            self._remember(session_id, _Pace(last_result=now, refused_for=refused, backoff=self._verdict_len(source),
+                                             source=source))
         return refused
 
-    def _inherited_refusal(self) -> int:
-        """Plain steps left of the latest refusal's window: what a new session starts refused for."""
-        return max(0, self._verdict_step + self._verdict_len - self._steps) if self._verdict_len else 0
+    def _verdict_len(self, source: str) -> int:
+        """Plain steps the source's latest verdict refused for (0: it paid, or none yet)."""
+        return self._verdicts.get(source, (0, 0))[1]
+
+    def _inherited_refusal(self, source: str) -> int:
+        """Plain steps left of the source's latest refusal window: what a new session starts refused for."""
+        step, length = self._verdicts.get(source, (0, 0))
+        return max(0, step + length - self._steps)
 
     def active_sessions(self, now: float, horizon_s: float) -> int:
         """Sessions with a result in the last horizon_s seconds (a session that ended stops counting).
@@ -118,10 +134,11 @@ class CycleWallPricing:
             if pace is None:  # a session whose first row drafted elsewhere starts from the latest verdict
                 # (the rest of its window; after it, the session's first measured cycle decides, and a
                 # loss doubles the latest refusal's length)
-                elsewhere = _drafted_elsewhere(work)
-                refused = self._inherited_refusal() if elsewhere else 0
-                backoff = self._verdict_len if elsewhere else 0
-                self._remember(work.session_id, _Pace(last_result=ended, refused_for=refused, backoff=backoff))
+                elsewhere, source = _drafted_elsewhere(work), self._sources.get(work.session_id, "")
+                refused = self._inherited_refusal(source) if elsewhere else 0
+                backoff = self._verdict_len(source) if elsewhere else 0
+                self._remember(work.session_id, _Pace(last_result=ended, refused_for=refused, backoff=backoff,
+                                                      source=source))
                 continue
             self._sessions.move_to_end(work.session_id)
             wall = ended - pace.last_result
@@ -147,11 +164,12 @@ class CycleWallPricing:
             return
         plain_period = plain_step_s + (self._gap_s or 0.0)
         if pace.tokens / pace.wall_s >= (1.0 + self.margin) / plain_period:
-            pace.backoff = self._verdict_len = 0  # it pays: a later refusal starts short again
+            pace.backoff = 0  # it pays: a later refusal starts short again
+            self._verdicts.pop(pace.source, None)
             return
         pace.backoff = self.first_backoff if pace.backoff == 0 else min(2 * pace.backoff, self.max_backoff)
-        pace.refused_for = self._verdict_len = pace.backoff
-        self._verdict_step = self._steps
+        pace.refused_for = pace.backoff
+        self._verdicts[pace.source] = (self._steps, pace.backoff)
         self.refusals += 1
 
     def _remember(self, session_id: str, pace: _Pace) -> None:

@@ -196,10 +196,10 @@ class DraftTrimmer:
             self.draft_step_s = per_step if self.draft_step_s is None else \
                 decay * self.draft_step_s + (1 - decay) * per_step
 
-    def admit_drafting_elsewhere(self, session_id: str, now: float) -> int | None:
-        """A new session whose drafts will come from a draft service: 0 if the cycle pricing refuses
-        it from the start (its plain steps then say so too), else None (nothing to say)."""
-        if self.cycle_wall is None or not self.cycle_wall.admit(session_id, now):
+    def admit_drafting_elsewhere(self, session_id: str, now: float, source: str = "") -> int | None:
+        """A new session whose drafts will come from a draft service (`source`): 0 if the cycle pricing
+        refuses it from the start (its plain steps then say so too), else None (nothing to say)."""
+        if self.cycle_wall is None or not self.cycle_wall.admit(session_id, now, source):
             return None
         return 0
 

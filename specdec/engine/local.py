@@ -23,7 +23,7 @@ class LocalTarget:
 
     async def start_session(
         self, session_id: str, token_ids: Sequence[int], params: SamplingParams, sample_first_token: bool = True,
-        drafts_elsewhere: bool = False,  # in process: no round trips to price
+        drafts_elsewhere: bool = False, draft_source: str = "",  # in process: no round trips to price
     ) -> tuple[int, int | None]:
         return self.engine.start_session(session_id, token_ids, params, sample_first_token)
 

@@ -374,7 +374,9 @@ async def generate(
     settings: LoopSettings | None = None,
 ) -> GenerationResult:
     """One whole generation for a new session: prefill, first token, then the loop."""
-    cursor, first = await start_generation(target, session_id, prompt_ids, params, drafts_elsewhere=draft is not None)
+    # A draft client says where it is served (its address), which the target keys its verdicts by.
+    cursor, first = await start_generation(target, session_id, prompt_ids, params, drafts_elsewhere=draft is not None,
+                                           draft_source=getattr(draft, "address", ""))
     keep, reason = stop.check([first])
     await emit([first])
     if reason is not None:
@@ -386,12 +388,12 @@ async def generate(
 
 async def start_generation(
     target: TargetAPI, session_id: str, prompt_ids: Sequence[int], params: SamplingParams,
-    drafts_elsewhere: bool = False,
+    drafts_elsewhere: bool = False, draft_source: str = "",
 ) -> tuple[SessionCursor, int]:
     """Open the target session (prefill) and return a cursor and the first token."""
     with measure_cycle() as opening:  # the target may say: start plain (target_draft_limit)
         position, first = await target.start_session(session_id, prompt_ids, params, sample_first_token=True,
-                                                     drafts_elsewhere=drafts_elsewhere)
+                                                     drafts_elsewhere=drafts_elsewhere, draft_source=draft_source)
     info = await target.info()
     cursor = SessionCursor(session_id, params, list(prompt_ids) + [first], info.max_context,
                            target_draft_limit=opening.target_draft_limit)

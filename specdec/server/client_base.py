@@ -97,6 +97,7 @@ class ServiceClient:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.channel = channel
+        self.address = ""  # where the channel dials, when connect() made it (a name for the service)
         self.timeout_s = timeout_s
         self.metadata = tuple(metadata)
         self._stub = self.STUB(channel)
@@ -109,7 +110,9 @@ class ServiceClient:
         as every call's deadline, and W3C trace-context propagation with OpenTelemetry client spans
         (spans only when `tracer_provider` exports them). `options` go to the subclass's constructor."""
         channel = create_channel(address, settings, tracer_provider=tracer_provider, trace=trace)
-        return cls(channel, timeout_s=settings.timeout_s, metadata=metadata, **options)
+        client = cls(channel, timeout_s=settings.timeout_s, metadata=metadata, **options)
+        client.address = address
+        return client
 
     async def truncate(self, session_id: str, position: int) -> int:
         if position < 0:
