@@ -49,13 +49,11 @@ class SessionTarget:
         on_moved: Callable[[str], None],
         failover_timeout_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
-        drafts_elsewhere: bool = False,
-        draft_source: str = "",
+        draft_source: str | None = None,
     ):
         self.router, self.pool, self.session_id, self.params = router, pool, session_id, params
         self.endpoint = endpoint
-        # Its drafts come from a draft service (StartSession says so, and which: draft_source).
-        self.drafts_elsewhere, self.draft_source = drafts_elsewhere, draft_source
+        self.draft_source = draft_source  # where its drafts come from (StartSession says); None: no draft
         self.committed = committed  # the committed sequence as the loop knows it (cursor.tokens)
         self.guard = guard  # raises when the turn must stop instead of rebuilding anything
         self.on_moved = on_moved
@@ -198,15 +196,15 @@ class SessionTarget:
         await self._start(self.client, tokens, need_first=False)
 
     async def _start(self, client, tokens: Sequence[int], need_first: bool) -> int | None:
+        def start():
+            return client.start_session(self.session_id, tokens, self.params, need_first,
+                                        drafts_elsewhere=self.draft_source is not None,
+                                        draft_source=self.draft_source or "")
         try:
-            _, first = await client.start_session(self.session_id, tokens, self.params, need_first,
-                                                  drafts_elsewhere=self.drafts_elsewhere,
-                                                  draft_source=self.draft_source)
+            _, first = await start()
         except SessionExists:  # the replica still holds a copy whose state is unknown: replace it
             await client.end_session(self.session_id)
-            _, first = await client.start_session(self.session_id, tokens, self.params, need_first,
-                                                  drafts_elsewhere=self.drafts_elsewhere,
-                                                  draft_source=self.draft_source)
+            _, first = await start()
         self.rebuilds += 1
         return first
 

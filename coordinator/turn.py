@@ -136,8 +136,7 @@ class Turn:
             router, plan.pool, plan.session_id, plan.params, plan.target_endpoint,
             committed=lambda: self.cursor.tokens, guard=self.check_owner,
             on_moved=lambda endpoint: self.recorder.set_fields(target_replica=endpoint),
-            failover_timeout_s=settings.failover_timeout_s, drafts_elsewhere=plan.draft_endpoint is not None,
-            draft_source=plan.draft_endpoint or "",
+            failover_timeout_s=settings.failover_timeout_s, draft_source=plan.draft_endpoint,
         )
         self.draft = None
         if plan.draft_endpoint is not None:

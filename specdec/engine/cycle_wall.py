@@ -86,19 +86,18 @@ class CycleWallPricing:
         """A session that will draft elsewhere (at `source`) starts (StartSession says so): the plain
         steps it is refused for from the start (what is left of its source's latest refusal window; 0:
         it may draft). A refused one is told at once, so its coordinator opens no draft session for it."""
-        self._sources[session_id] = source
-        self._sources.move_to_end(session_id)
-        while len(self._sources) > self.max_sessions:
-            self._sources.popitem(last=False)
-        refused = self._inherited_refusal(source)
-        if refused:  # (unrefused, its first row sets the clock: a cycle is not measured from a prefill)
-            self._remember(session_id, _Pace(last_result=now, refused_for=refused, backoff=self._verdict_len(source),
-                                             source=source))
-        return refused
+        self._remember(self._sources, session_id, source)
+        pace = self._new_pace(source, now)
+        if pace.refused_for:  # (unrefused, its first row sets the clock: a cycle is not measured from a prefill)
+            self._remember(self._sessions, session_id, pace)
+        return pace.refused_for
 
-    def _verdict_len(self, source: str) -> int:
-        """Plain steps the source's latest verdict refused for (0: it paid, or none yet)."""
-        return self._verdicts.get(source, (0, 0))[1]
+    def _new_pace(self, source: str, last_result: float) -> _Pace:
+        """A new session drafting from `source` starts from its latest verdict: refused for the rest of
+        its window; after it, its first measured cycle decides, and a loss doubles that refusal."""
+        length = self._verdicts.get(source, (0, 0))[1]
+        return _Pace(last_result=last_result, refused_for=self._inherited_refusal(source), backoff=length,
+                     source=source)
 
     def _inherited_refusal(self, source: str) -> int:
         """Plain steps left of the source's latest refusal window: what a new session starts refused for."""
@@ -132,13 +131,10 @@ class CycleWallPricing:
                 continue
             pace = self._sessions.get(work.session_id)
             if pace is None:  # a session whose first row drafted elsewhere starts from the latest verdict
-                # (the rest of its window; after it, the session's first measured cycle decides, and a
-                # loss doubles the latest refusal's length)
-                elsewhere, source = _drafted_elsewhere(work), self._sources.get(work.session_id, "")
-                refused = self._inherited_refusal(source) if elsewhere else 0
-                backoff = self._verdict_len(source) if elsewhere else 0
-                self._remember(work.session_id, _Pace(last_result=ended, refused_for=refused, backoff=backoff,
-                                                      source=source))
+                source = self._sources.get(work.session_id, "")
+                pace = self._new_pace(source, ended) if _drafted_elsewhere(work) \
+                    else _Pace(last_result=ended, source=source)
+                self._remember(self._sessions, work.session_id, pace)
                 continue
             self._sessions.move_to_end(work.session_id)
             wall = ended - pace.last_result
@@ -172,10 +168,11 @@ class CycleWallPricing:
         self._verdicts[pace.source] = (self._steps, pace.backoff)
         self.refusals += 1
 
-    def _remember(self, session_id: str, pace: _Pace) -> None:
-        self._sessions[session_id] = pace
-        while len(self._sessions) > self.max_sessions:  # forget the longest unseen
-            self._sessions.popitem(last=False)
+    def _remember(self, mapping: OrderedDict, session_id: str, value) -> None:
+        mapping[session_id] = value
+        mapping.move_to_end(session_id)
+        while len(mapping) > self.max_sessions:  # forget the longest unseen
+            mapping.popitem(last=False)
 
 
 def _drafted_elsewhere(work) -> bool:
