@@ -125,7 +125,11 @@ def test_the_latest_refusal_passes_to_new_sessions_for_its_window_of_steps_only(
     for _ in range(2 * first - 1):
         steps.run()
     assert steps.cycles("later", 1, every=1, accepted=2) == [0]  # 2 * first steps: still within it
-    steps.run()
+    # The window ended with that step: "later" may probe now, and it probes for the source, so the
+    # next new session waits for its answer (sessions of a refused source take turns, below).
+    assert not trimmer.cycle_wall.refuses("later")
+    assert steps.cycles("latest", 1, every=1, accepted=2) == [0]
+    assert steps.cycles("later", 1, every=2, accepted=4) == [4]  # it pays: both draft
     assert steps.cycles("latest", 1, every=1, accepted=2) == [4]
 
 
@@ -183,3 +187,72 @@ def test_each_draft_source_has_its_own_window():
     assert steps.cycles("next-b", 1, every=1, accepted=4) == [4] and not pricing.refuses("next-b")
     # A session whose StartSession named no source shares the unnamed window only.
     assert steps.cycles("unnamed", 1, every=1, accepted=4) == [4]
+
+
+def refused_source_with_two_waiting_sessions():
+    """A slow session refuses the source; "a" and "b" start inside its window (refused from their start)
+    and decode plainly; "a" comes first in every step, so its refusal ends first. Returns the steps and
+    the pricing with "a" holding the source's probe and "b" waiting its turn."""
+    trimmer = gpu_trimmer()
+    steps = Steps(trimmer)
+    pricing = trimmer.cycle_wall
+    assert steps.cycles("slow", 3, every=6, accepted=2) == [4, 4, 4] and pricing.refuses("slow")
+    assert pricing.admit("a", steps.now) > 0 and pricing.admit("b", steps.now) > 0
+    steps.plain.append("b")
+    while pricing.refuses("a"):
+        steps.run([DecodeWork("a", 10)], [[1]])
+    assert pricing.refuses("b")  # its refusal ended in the same step, but "a" holds the probe
+    steps.run([DecodeWork("a", 10)], [[1]])
+    assert trimmer.draft_limits["a"] > 0 and trimmer.draft_limits["b"] == 0
+    return steps, pricing
+
+
+def test_sessions_of_a_refused_source_take_turns_to_probe():
+    """One probe answers for all the sessions of a source (the load is the same for them): while it is
+    out the others wait, and when it loses they wait out the source's new, doubled window."""
+    steps, pricing = refused_source_with_two_waiting_sessions()
+    first = pricing.first_backoff
+    assert steps.cycles("a", 1, every=6, accepted=2) == [4]  # a probe: decides on its one cycle, and loses
+    assert pricing.refuses("a") and pricing.refusals == 2
+    waited = 0
+    while pricing.refuses("b"):
+        steps.run()
+        waited += 1
+    # "b" waited out the window that "a"'s probe opened (twice the first), not just its turn (16 steps).
+    assert waited == 2 * first
+    assert pricing.refuses("a")  # "a" ran no plain step since: its own refusal still runs
+
+
+def test_a_probe_that_pays_lets_every_waiting_session_draft_at_once():
+    steps, pricing = refused_source_with_two_waiting_sessions()
+    assert steps.cycles("a", 1, every=2, accepted=4) == [4]  # 5 tokens in 2 steps: it pays
+    assert not pricing.refuses("a") and not pricing.refuses("b")
+    assert pricing.admit("c", steps.now) == 0  # and new sessions draft from their start
+
+
+def test_a_probe_that_never_answers_passes_the_turn_on():
+    """A session granted the probe may end, or its coordinator may not probe: after probe_patience
+    steps the next session whose turn ends takes it."""
+    steps, pricing = refused_source_with_two_waiting_sessions()
+    for _ in range(pricing.probe_patience - 2):  # "a" decodes plainly throughout, without a probe
+        steps.run([DecodeWork("a", 10)], [[1]])
+        assert pricing.refuses("b")
+    steps.run([DecodeWork("a", 10)], [[1]])
+    assert not pricing.refuses("b")
+
+
+def test_a_lone_session_clears_a_stale_refusal():
+    """With no one else active a cycle costs no one a step: the source's refusal, from a load that has
+    gone, no longer holds back new sessions."""
+    trimmer = gpu_trimmer()
+    steps = Steps(trimmer)
+    pricing = trimmer.cycle_wall
+    assert steps.cycles("slow", 3, every=6, accepted=2) == [4, 4, 4] and pricing.refuses("slow")
+    assert pricing.admit("waiting", steps.now) > 0
+    alone = Steps(trimmer, plain=())
+    alone.now = steps.now + 1.0  # the others have gone quiet
+    assert alone.cycles("alone", 1, every=1, accepted=0) == [0]  # new within the window: refused
+    while pricing.refuses("alone"):
+        alone.run([DecodeWork("alone", 10)], [[1]])
+    assert alone.cycles("alone", 2, every=6, accepted=0) == [4, 4]  # its probe: losing, but alone
+    assert pricing.admit("next", alone.now) == 0 and not pricing.refuses("waiting")
