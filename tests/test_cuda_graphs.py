@@ -160,6 +160,21 @@ def test_switch_defaults_to_cuda_only():
     assert not use_cuda_graphs(True, "cpu") and not use_cuda_graphs(False, "cuda")
 
 
+def test_eager_forwards_on_cuda_leave_out_cudnn_attention(root):
+    """cuDNN's attention plans every new shape (0.7-1.0 s on an H200), and an eager forward's shape is a
+    prompt's length: eager forwards on a CUDA device choose among the other backends; the captured
+    graphs (fixed shapes) and CPU forwards are left alone. Checked on the flags, which needs no GPU."""
+    model, _ = pair(tiny_dir(root, "llama3"))
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    with model._eager_attention():  # on a CPU: nothing changes
+        assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    model.device = torch.device("cuda")
+    with model._eager_attention():
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
 def speculative_equals_plain(target_path, draft_path, device, dtype, prompts, k=4, new_tokens=40):
     """Greedy speculative output (graph-path target and draft) against plain decoding of the same
     target; returns the outputs and the target model."""

@@ -18,6 +18,7 @@ static, bucketed shapes, replayed as CUDA graphs; anything else (prefills) runs 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from typing import Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from specdec.errors import InvalidArgument
 from specdec.models.base import ModelInfo
@@ -207,11 +209,22 @@ class LlamaModel:
             h = self.graphs.forward(slots, token_ids, starts, lengths, num_logits)  # None: not a static shape
         if h is None:
             batch = self._plan(slots, token_ids, starts, lengths, num_logits)
-            x = self._layers(F.embedding(batch.tokens, self.weights.embed), batch)  # [B * T, hidden]
+            with self._eager_attention():
+                x = self._layers(F.embedding(batch.tokens, self.weights.embed), batch)  # [B * T, hidden]
             h = self._norm(x.index_select(0, batch.logit_rows), self.weights.final_norm)
         logits = self.linear(h, self.weights.lm_head).float()  # [N, vocab]
         self.cache.advance(slots, lengths)
         return logits, h
+
+    def _eager_attention(self):
+        """Attention backends for an eager forward (prefills, shapes outside the graphs). Not cuDNN's:
+        it builds a plan for every new shape, and a prefill's shape is its prompt's length, so each new
+        length paid 0.7-1.0 s (a draft catch-up of 150 tokens on an H200: 680 ms the first time, 70 ms
+        warm; 150 ms and 22 ms without cuDNN). The captured graphs keep it: their shapes are fixed and
+        planned once, at capture, and there it is the fastest (docs/BENCHMARKS.md)."""
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
     def _in_pieces(self, slots: list[int], token_ids: Sequence[Sequence[int]], lengths: list[int],
                    num_logits: list[int], piece: int) -> tuple[torch.Tensor, torch.Tensor]:
