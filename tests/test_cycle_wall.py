@@ -129,8 +129,8 @@ def test_the_latest_refusal_passes_to_new_sessions_for_its_window_of_steps_only(
     # next new session waits for its answer (sessions of a refused source take turns, below).
     assert not trimmer.cycle_wall.refuses("later")
     assert steps.cycles("latest", 1, every=1, accepted=2) == [0]
-    assert steps.cycles("later", 1, every=2, accepted=4) == [4]  # it pays: both draft
-    assert steps.cycles("latest", 1, every=1, accepted=2) == [4]
+    assert steps.cycles("later", 1, every=2, accepted=4) == [4]  # it pays: new sessions draft at once
+    assert steps.cycles("newest", 1, every=1, accepted=2) == [4]
 
 
 def test_cycles_that_beat_plain_steps_and_drafts_made_inside_the_target_are_left_alone():
@@ -223,11 +223,17 @@ def test_sessions_of_a_refused_source_take_turns_to_probe():
     assert pricing.refuses("a")  # "a" ran no plain step since: its own refusal still runs
 
 
-def test_a_probe_that_pays_lets_every_waiting_session_draft_at_once():
+def test_a_probe_that_pays_clears_the_source_for_new_sessions_and_the_waiting_ones_probe_in_turn():
     steps, pricing = refused_source_with_two_waiting_sessions()
     assert steps.cycles("a", 1, every=2, accepted=4) == [4]  # 5 tokens in 2 steps: it pays
-    assert not pricing.refuses("a") and not pricing.refuses("b")
-    assert pricing.admit("c", steps.now) == 0  # and new sessions draft from their start
+    assert not pricing.refuses("a")
+    assert pricing.admit("c", steps.now) == 0  # new sessions draft from their start
+    # "b" was refused while one session drafted among plain ones, which says little of all drafting:
+    # it still waits for its turn to end, then probes without waiting for anyone.
+    assert pricing.refuses("b")
+    while pricing.refuses("b"):
+        steps.run()
+    assert steps.cycles("b", 1, every=2, accepted=4) == [4]
 
 
 def test_a_probe_that_never_answers_passes_the_turn_on():
@@ -241,18 +247,18 @@ def test_a_probe_that_never_answers_passes_the_turn_on():
     assert not pricing.refuses("b")
 
 
-def test_a_lone_session_clears_a_stale_refusal():
-    """With no one else active a cycle costs no one a step: the source's refusal, from a load that has
-    gone, no longer holds back new sessions."""
+def test_a_lone_session_passes_its_turn_on():
+    """With no one else active there is no verdict to reach (the coordinator's call): a lone session
+    that probes for a refused source lets the next one probe at once, without waiting for patience."""
     trimmer = gpu_trimmer()
     steps = Steps(trimmer)
     pricing = trimmer.cycle_wall
     assert steps.cycles("slow", 3, every=6, accepted=2) == [4, 4, 4] and pricing.refuses("slow")
-    assert pricing.admit("waiting", steps.now) > 0
     alone = Steps(trimmer, plain=())
     alone.now = steps.now + 1.0  # the others have gone quiet
     assert alone.cycles("alone", 1, every=1, accepted=0) == [0]  # new within the window: refused
     while pricing.refuses("alone"):
         alone.run([DecodeWork("alone", 10)], [[1]])
+    assert pricing.refuses("next", external("next"))  # "alone" holds the probe
     assert alone.cycles("alone", 2, every=6, accepted=0) == [4, 4]  # its probe: losing, but alone
-    assert pricing.admit("next", alone.now) == 0 and not pricing.refuses("waiting")
+    assert not pricing.refuses("next", external("next")) and pricing.refusals == 1

@@ -36,7 +36,10 @@ probes (holding the source's probe for up to probe_patience steps, until its ver
 others wait. The load is the same for all of them, so one probe answers for all: eight sessions
 probing on their own clocks had paid eight probes' round trips and draft catch-ups for one answer
 (on 2 H200s at 8 sessions, 118 cycles for 32 requests that decoded 96% of their tokens plainly). A
-probe that pays clears the source's verdict and ends every waiting session's refusal at once.
+probe that pays clears the source's verdict for new sessions; the waiting ones still probe one by one
+when their turn ends, because one session drafting among plain ones says little of all of them
+drafting (on a CPU their wider verify steps slow every session). A lone session gets no verdict, so
+its turn passes on at its first cycle.
 
 Like the trimmer, this only chooses how many drafted tokens to verify: the output is unchanged.
 Thread-confined to the model thread, as the trimmer is. No I/O; the caller passes the clock.
@@ -191,34 +194,23 @@ class CycleWallPricing:
         pace.wall_s = wall if pace.wall_s is None else d * pace.wall_s + (1 - d) * wall
         pace.tokens = tokens if pace.tokens is None else d * pace.tokens + (1 - d) * tokens
         pace.cycles += 1
-        if plain_step_s is None:  # alone: its cycles cost no one a step, so its source's refusal is stale
-            self._paid(session_id, pace)
+        if plain_step_s is None:  # alone: no verdict (the coordinator's call), so its turn passes on
+            self._answered(session_id, pace.source)
             return
         if pace.cycles < (1 if pace.backoff else self.min_cycles):
             return
+        self._answered(session_id, pace.source)
         plain_period = plain_step_s + (self._gap_s or 0.0)
         if pace.tokens / pace.wall_s >= (1.0 + self.margin) / plain_period:
-            self._paid(session_id, pace)
+            pace.backoff = 0  # it pays: a later refusal starts short again, and new sessions draft at once
+            self._verdicts.pop(pace.source, None)
             return
-        self._answered(session_id, pace.source)
         # The source's refusal doubles, whichever of its sessions probed.
         length = max(pace.backoff, self._verdicts.get(pace.source, (0, 0))[1])
         pace.backoff = self.first_backoff if length == 0 else min(2 * length, self.max_backoff)
         pace.refused_for = pace.backoff
         self._verdicts[pace.source] = (self._steps, pace.backoff)
         self.refusals += 1
-
-    def _paid(self, session_id: str, pace: _Pace) -> None:
-        """The session's cycles pay: a later refusal starts short again, and if its source stood refused,
-        the source's sessions waiting out that refusal may draft now."""
-        pace.backoff = 0
-        self._answered(session_id, pace.source)
-        if self._verdicts.pop(pace.source, None) is None:
-            return
-        for other in self._sessions.values():
-            if other.source == pace.source and other.refused_for > 0:
-                other.refused_for, other.backoff = 0, 0
-                other.wall_s, other.tokens, other.cycles = None, None, 0
 
     def _answered(self, session_id: str, source: str) -> None:
         """The session's verdict came: if it held its source's probe, the next session may take it."""
