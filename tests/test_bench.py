@@ -351,3 +351,13 @@ def test_engine_timings_leave_out_a_shapes_first_forward(models):
     times = EngineTimer(target, {}, max_verify=5, filler_tokens=8, repeats=1).measure("q", "c", list(range(5, 40)))
     assert seen == {1, 2, 3, 4}
     assert max(times.t_verify.values()) < 0.15
+
+
+def test_the_catch_up_script_runs_on_a_cpu(tmp_path):
+    """scripts/bench_draft_catch_up.py (a GPU diagnostic) still runs: every wave's line is printed."""
+    env = {**os.environ, "SPECDEC_HOME": str(tmp_path)}
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_draft_catch_up.py"), "--model", "random:tiny-draft",
+                           "--device", "cpu", "--dtype", "float32", "--max-context", "2048"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("catch-up") == 13
