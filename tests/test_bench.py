@@ -361,3 +361,23 @@ def test_the_catch_up_script_runs_on_a_cpu(tmp_path):
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.count("catch-up") == 13
+
+
+def test_concurrency_ratios_are_reported_per_round():
+    """Rounds rotate the method order so that a slow spell of the machine hits each method; the ratio
+    of every round is reported beside the pooled one (and its range printed), so the spread shows."""
+    from specdec.bench.output import _rounds
+    from specdec.bench.report import concurrency_report
+
+    def request(method, rnd, start, seconds):  # 10 tokens in `seconds`, 2 sessions, one round apart
+        return RequestResult(method, "q", "c", list(range(10)), 3, 0.1, seconds, start_s=start,
+                             phase="concurrency", concurrency=2, round=rnd)
+
+    rows = [request("plain", 0, 0.0, 1.0), request("plain", 0, 0.0, 1.0),  # 20 tokens / 1 s
+            request("specdec-draft", 0, 2.0, 2.0), request("specdec-draft", 0, 2.0, 2.0),  # 20 / 2 s: 0.5
+            request("plain", 1, 10.0, 2.0), request("plain", 1, 10.0, 2.0),  # a slow spell: 20 / 2 s
+            request("specdec-draft", 1, 13.0, 2.0), request("specdec-draft", 1, 13.0, 2.0)]  # 1.0
+    m = concurrency_report(rows, ["plain", "specdec-draft"])["2"]["specdec-draft"]
+    assert m["throughput_vs_plain_by_round"] == [0.5, 1.0]
+    assert abs(m["throughput_vs_plain"] - 40 / 4 / (40 / 3)) < 1e-9  # pooled: tokens / summed walls
+    assert _rounds(m) == "  rounds 0.50-1.00, median 0.75"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import statistics
 
 from specdec.bench import target_batches
 from specdec.bench.methods import RequestResult, is_service, is_speculative
@@ -11,6 +12,14 @@ from specdec.bench.runner import Bench, Collected
 from specdec.bench.timing import StepTimes
 
 SCHEMA = "specdec-bench/1"
+
+
+def _rounds(m: dict) -> str:
+    """The per-round ratios to plain decoding, when the level ran more than one round."""
+    ratios = m.get("throughput_vs_plain_by_round") or []
+    if len(ratios) < 2:
+        return ""
+    return f"  rounds {min(ratios):.2f}-{max(ratios):.2f}, median {statistics.median(ratios):.2f}"
 
 
 def sections(results: list[RequestResult], times: list[StepTimes], methods: list[str], fixed_k: int | None,
@@ -158,7 +167,7 @@ def tables(report: dict) -> str:
                 tpot = f"{_f(m['tpot_p50_s'], '{:.1f}', 1e3)}/{_f(m['tpot_p99_s'], '{:.1f}', 1e3)}"
                 lines.append(f"{level:<9} {name:<22} {_f(m['tokens_per_s'], '{:.1f}'):>7} "
                              f"{_f(m.get('throughput_vs_plain')):>8} {tpot:>16} {_f(m['ttft_p50_s'], '{:.0f}', 1e3):>7}ms"
-                             f" {_overhead(m):>14} {_batches(m):>24}")
+                             f" {_overhead(m):>14} {_batches(m):>24}{_rounds(m)}")
     if report.get("netem"):
         lines.append("")
         lines.append(f"network delay ({report['netem']['network']['mode']}), batch 1:")

@@ -226,7 +226,7 @@ def batch1_report(results: list[RequestResult], methods: list[str], times: list[
 def concurrency_report(results: list[RequestResult], methods: list[str]) -> dict:
     out: dict = {}
     for level in sorted({r.concurrency for r in results}):
-        table = {}
+        table, by_round = {}, {}
         for name in methods:
             rows = [r for r in results if r.concurrency == level and r.method == name]
             if not rows:
@@ -235,11 +235,17 @@ def concurrency_report(results: list[RequestResult], methods: list[str]) -> dict
             for rnd in sorted({r.round for r in rows}):
                 group = [r for r in rows if r.round == rnd]
                 walls.append(max(r.start_s + r.e2e_s for r in group) - min(r.start_s for r in group))
+                by_round.setdefault(name, {})[rnd] = sum(r.num_tokens for r in group) / walls[-1]
             table[name] = group_metrics(rows, wall_s=sum(walls))
         plain = table.get(DEFAULT_REFERENCE)
         for name, m in table.items():
             if plain and name != DEFAULT_REFERENCE:
                 m["throughput_vs_plain"] = m["tokens_per_s"] / plain["tokens_per_s"]
+                # Each round runs every method once, in a rotated order: its ratios show the spread that
+                # a slow spell of a shared machine puts into the pooled one.
+                rounds = sorted(set(by_round[name]) & set(by_round[DEFAULT_REFERENCE]))
+                m["throughput_vs_plain_by_round"] = [by_round[name][r] / by_round[DEFAULT_REFERENCE][r]
+                                                     for r in rounds]
         out[str(level)] = table
     return out
 
