@@ -13,6 +13,13 @@ Overhead = round trip - model time, split into transport (round trip - the servi
 on both ends, client interceptors, process wake-ups), queue (before the step: the hop to the model
 thread) and service work (the rest of the handler: checks, conversions, the hop back). Prints
 medians and means per build.
+
+Without --before it measures this worktree alone; --target-arg passes a flag to the target service,
+so the same calls can be measured on a GPU host (docs/BENCHMARKS.md, "Round 20": a unary call cost
+~2.2-2.6 ms above its handler there, against 0.4 ms per streamed message):
+
+    python scripts/bench_call_overhead.py --model random:llama3-8b --target-arg=--device=cuda:0 \
+        --target-arg=--dtype=bfloat16
 """
 
 from __future__ import annotations
@@ -34,13 +41,14 @@ PROMPT = list(range(10, 130))  # 120 tokens: a context like the benchmark's
 PARTS = ("call", "model", "queue", "handler")
 
 
-def start(root: Path, model: Path, log_dir: Path) -> tuple[subprocess.Popen, int]:
+def start(root: Path, model: Path, log_dir: Path, extra: list[str]) -> tuple[subprocess.Popen, int]:
     ready = log_dir / f"{root.name}.ready.json"
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "OTEL_TRACES_EXPORTER": "none"}
     with open(log_dir / f"{root.name}.log", "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "target_service", "--model", str(model), "--plaintext",
                                  "--max-context", "512", "--port", "0", "--metrics-port", "0",
-                                 "--ready-file", str(ready)], cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
+                                 "--ready-file", str(ready), *extra], cwd=root, env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
     while not (ready.exists() and ready.read_text().strip()):
         if time.monotonic() > deadline or proc.poll() is not None:
@@ -117,23 +125,30 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--calls", type=int, default=25, help="calls per block")
+    parser.add_argument("--target-arg", action="append", default=[], metavar="FLAG",
+                        help="a flag for both target services, e.g. --target-arg=--device=cuda:0 (repeatable)")
     parser.add_argument("--client-port", type=int, help=argparse.SUPPRESS)  # a client worker's
     args = parser.parse_args()
     if args.client_port is not None:
         return client_worker(args.client_port)
-    if args.before is None:
-        parser.error("--before is required")
     sys.path.insert(0, str(HERE))
-    from specdec.models.registry import resolve_model
+    if args.model.startswith("random:"):
+        from specdec.bench.gpu import random_model_dir
 
-    model = resolve_model(args.model)
+        dtype = next((a.split("=", 1)[1] for a in args.target_arg if a.startswith("--dtype=")), "float32")
+        model = random_model_dir(args.model, dtype)
+    else:
+        from specdec.models.registry import resolve_model
+
+        model = resolve_model(args.model)
     log_dir = Path(tempfile.mkdtemp(prefix="call-overhead-"))
     procs, clients = {}, {}
-    roots = {"before": args.before.resolve(), "after": HERE}
+    roots = {"before": args.before.resolve()} if args.before else {}
+    roots["after" if args.before else "this"] = HERE
     load = os.getloadavg()[0]
     try:
         for name, root in roots.items():
-            procs[name] = start(root, model, log_dir)
+            procs[name] = start(root, model, log_dir, args.target_arg)
         for name, root in roots.items():
             clients[name] = start_client(root, procs[name][1])
         rows = measure(clients, args.rounds, args.calls)
