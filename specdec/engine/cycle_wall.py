@@ -35,7 +35,7 @@ inside the source's latest window waits for the window's end, and after it one s
 probes (holding the source's probe for up to probe_patience steps, until its verdict) while the
 others wait. The load is the same for all of them, so one probe answers for all: eight sessions
 probing on their own clocks had paid eight probes' round trips and draft catch-ups for one answer
-(on 2 H200s at 8 sessions, 118 cycles for 32 requests that decoded 96% of their tokens plainly). A
+(on 2 H200s at 8 sessions, 118 cycles for 32 requests that decoded 94% of their tokens plainly). A
 probe that pays clears the source's verdict for new sessions; the waiting ones still probe one by one
 when their turn ends, because one session drafting among plain ones says little of all of them
 drafting (on a CPU their wider verify steps slow every session). A lone session gets no verdict, so
