@@ -132,15 +132,10 @@ def main() -> None:
     if args.client_port is not None:
         return client_worker(args.client_port)
     sys.path.insert(0, str(HERE))
-    if args.model.startswith("random:"):
-        from specdec.bench.gpu import random_model_dir
+    from specdec.bench.gpu import model_dir
 
-        dtype = next((a.split("=", 1)[1] for a in args.target_arg if a.startswith("--dtype=")), "float32")
-        model = random_model_dir(args.model, dtype)
-    else:
-        from specdec.models.registry import resolve_model
-
-        model = resolve_model(args.model)
+    dtype = next((a.split("=", 1)[1] for a in args.target_arg if a.startswith("--dtype=")), "float32")
+    model = model_dir(args.model, dtype)
     log_dir = Path(tempfile.mkdtemp(prefix="call-overhead-"))
     procs, clients = {}, {}
     roots = {"before": args.before.resolve()} if args.before else {}

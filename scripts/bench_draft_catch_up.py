@@ -16,10 +16,10 @@ import time
 
 import torch
 
+from specdec.bench.gpu import model_dir
 from specdec.engine.draft import DraftEngine
 from specdec.engine.draft_batch import ProposeWork, run_propose_batch
 from specdec.models.loader import load_model
-from specdec.models.registry import resolve_model
 from specdec.proposers.copy_guess import CopyRule
 from specdec.proposers.draft_model import DraftModelProposer
 from specdec.sampling.params import SamplingParams
@@ -42,11 +42,7 @@ def main() -> None:
     if args.sdp == "math":
         torch.backends.cuda.enable_flash_sdp(False)
         torch.backends.cuda.enable_mem_efficient_sdp(False)
-    if args.model.startswith("random:"):
-        from specdec.bench.gpu import random_model_dir
-        path = random_model_dir(args.model, args.dtype)
-    else:
-        path = resolve_model(args.model)
+    path = model_dir(args.model, args.dtype)
     cuda = args.device.startswith("cuda")
     started = time.perf_counter()
     model = load_model(path, device=args.device, dtype=args.dtype, num_slots=12, max_context=args.max_context,

@@ -39,15 +39,10 @@ from pathlib import Path
 
 import torch
 
-from specdec.bench.gpu import copy_bandwidth, random_model_dir
+from specdec.bench.gpu import copy_bandwidth, model_dir
 from specdec.models.compiled_layers import COMPILE_OPTIONS, CompiledLayers
 from specdec.models.linear_kernels import DenseNTLinear
 from specdec.models.llama import LlamaModel
-from specdec.models.registry import resolve_model
-
-
-def model_dir(name: str, dtype: str) -> Path:
-    return random_model_dir(name, dtype) if name.startswith("random:") else resolve_model(name)
 
 
 def weight_bytes(model: LlamaModel) -> dict:

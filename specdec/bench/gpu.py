@@ -40,6 +40,16 @@ PRESETS: dict[str, dict] = {
 }
 
 
+def model_dir(name: str, dtype: str, seed: int = 0) -> Path:
+    """A model's directory: `random:<preset>` written on first use (random_model_dir), anything else
+    through the registry (a name, a directory, a .gguf file)."""
+    if name.startswith("random:"):
+        return random_model_dir(name, dtype, seed)
+    from specdec.models.registry import resolve_model
+
+    return resolve_model(name)
+
+
 def random_model_dir(name: str, dtype: str, seed: int = 0, home: Path | None = None) -> Path:
     """The directory of `random:<preset>`, written on first use."""
     from specdec.models.registry import specdec_home

@@ -73,13 +73,9 @@ class Collected:
 
 
 def resolve(name: str, config: BenchConfig) -> Path:
-    if name.startswith("random:"):
-        from specdec.bench.gpu import random_model_dir
+    from specdec.bench.gpu import model_dir
 
-        return random_model_dir(name, config.dtype, config.seed)
-    from specdec.models.registry import resolve_model
-
-    return resolve_model(name)
+    return model_dir(name, config.dtype, config.seed)
 
 
 class Bench:
