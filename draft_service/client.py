@@ -62,17 +62,20 @@ class DraftClient(ServiceClient):
     STUB = draft_pb2_grpc.DraftServiceStub
     TRUNCATE_REQUEST = draft_pb2.DraftServiceTruncateRequest
     END_SESSION_REQUEST = draft_pb2.DraftServiceEndSessionRequest
+    CYCLE_STREAM = ("ProposeStream", lambda request: draft_pb2.DraftServiceProposeStreamRequest(propose=request),
+                    lambda message: message.propose)
 
     def __init__(
         self,
         channel: grpc.aio.Channel,
         timeout_s: float = 30.0,
         metadata: Metadata = (),
+        stream_cycle_calls: bool = True,
         *,
         num_draft_tokens: int = 0,
         top_m: int = 0,
     ):
-        super().__init__(channel, timeout_s, metadata)
+        super().__init__(channel, timeout_s, metadata, stream_cycle_calls)
         self.options = draft_pb2.ProposerOptions(num_draft_tokens=num_draft_tokens, top_m=top_m)
 
     async def start_session(self, session_id: str, token_ids: Sequence[int], params: SamplingParams) -> None:
@@ -98,7 +101,7 @@ class DraftClient(ServiceClient):
             append_token_ids=list(append_token_ids), num_draft_tokens=num_draft_tokens, speculative=speculative,
             alternatives=[_branch_kind(kind) for kind in alternatives], stop_below=stop_below,
         )
-        response = await self._timed_call(self._stub.Propose, request, session_id, keep_position, parent_epoch)
+        response = await self._cycle_call(self._stub.Propose, request, session_id, keep_position, parent_epoch)
         rows = response.draft_distributions if response.HasField("draft_distributions") else None
         block = unpack_distributions(rows, response.draft_token_ids)
         if len(response.draft_confidences) == block.num_tokens > 0:  # anything else: no confidences

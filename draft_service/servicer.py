@@ -190,6 +190,11 @@ class DraftServicer(EngineServicer, draft_pb2_grpc.DraftServiceServicer):
                 msg.draft_distributions.CopyFrom(pack_distributions(branch.block))
         return response
 
+    async def ProposeStream(self, requests, context):
+        # Each message is a Propose call; a refusal ends the stream with that call's status.
+        async for message in requests:
+            yield draft_pb2.DraftServiceProposeStreamResponse(propose=await self.Propose(message.propose, context))
+
     async def GetInfo(self, request, context):
         model = self._model()
         info = model_info_to_proto(

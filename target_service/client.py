@@ -57,6 +57,8 @@ class TargetClient(ServiceClient):
     STUB = target_pb2_grpc.TargetServiceStub
     TRUNCATE_REQUEST = target_pb2.TargetServiceTruncateRequest
     END_SESSION_REQUEST = target_pb2.TargetServiceEndSessionRequest
+    CYCLE_STREAM = ("VerifyStream", lambda request: target_pb2.TargetServiceVerifyStreamRequest(verify=request),
+                    lambda message: message.verify)
     _decode_stream_unimplemented = False  # set once the target answered DecodeStream with UNIMPLEMENTED
 
     async def start_session(
@@ -79,7 +81,7 @@ class TargetClient(ServiceClient):
         )
         if draft.draft_probs is not None:
             request.draft_distributions.CopyFrom(pack_distributions(draft))
-        response = await self._timed_call(self._stub.Verify, request, session_id, position)
+        response = await self._cycle_call(self._stub.Verify, request, session_id, position)
         return verify_outcome_from_proto(response)
 
     async def decode(

@@ -158,6 +158,11 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
         response.timing.CopyFrom(server_timing_to_proto(timing.model_ns, timing.queued_ns, received_ns))
         return response
 
+    async def VerifyStream(self, requests, context):
+        # Each message is a Verify call; an error ends the stream with that call's status.
+        async for message in requests:
+            yield target_pb2.TargetServiceVerifyStreamResponse(verify=await self.Verify(message.verify, context))
+
     async def Decode(self, request, context):
         received_ns = time.perf_counter_ns()
         check_session_id(request.session_id)

@@ -195,9 +195,13 @@ async def test_a_confidence_stop_shortens_the_draft_to_a_prefix_over_grpc(servic
 # ---- epochs, positions, pipelining ------------------------------------------------------------------
 
 
-async def test_propose_mismatch_reports_length_and_latest_epoch(services):
+@pytest.mark.parametrize("cycle_calls", ["unary", "stream"])
+async def test_propose_mismatch_reports_length_and_latest_epoch(services, cycle_calls):
+    """Refused Proposes, as calls and as messages of the session's stream (ProposeStream: a refusal
+    ends the stream with the call's status; the next Propose opens a new one)."""
     prompt = PROMPTS[0]
-    async with connect_draft(services["random"].address, PLAIN) as draft:
+    settings = ClientSettings(plaintext=True, timeout_s=30.0, cycle_calls=cycle_calls)
+    async with connect_draft(services["random"].address, settings) as draft:
         await draft.start_session("s", prompt, GREEDY)
         first = await draft.propose("s", len(prompt), [], 4)
         assert (first.epoch, first.position, first.block.num_tokens) == (1, len(prompt), 4)
@@ -223,6 +227,8 @@ async def test_propose_mismatch_reports_length_and_latest_epoch(services):
         fresh = await draft.propose("fresh", len(prompt) + 3, [], 3)
         assert (second.epoch, second.position) == (2, len(prompt) + 3)
         assert second.block.token_ids.tolist() == fresh.block.token_ids.tolist()
+        streams = draft._cycle_streams
+        assert (streams is not None and streams.answered == 3) if cycle_calls == "stream" else streams is None
         assert await draft.truncate("s", 3) == 3 and await draft.truncate("s", 50) == 3  # idempotent
         for session_id in ("s", "fresh"):
             assert await draft.end_session(session_id)

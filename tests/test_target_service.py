@@ -127,9 +127,11 @@ async def test_health_reflection_and_info(services, target_dir):
     assert 0 <= info.free_slots <= 4 and info.server_version
 
 
-async def test_decode_and_verify_equal_plain_decoding(services, reference):
+@pytest.mark.parametrize("cycle_calls", ["unary", "stream"])
+async def test_decode_and_verify_equal_plain_decoding(services, reference, cycle_calls):
+    """Verify as a call each, and as messages of the session's stream (VerifyStream)."""
     expected = reference(PROMPT, 16)
-    async with client(services["main"]) as target:
+    async with client(services["main"], ClientSettings(plaintext=True, timeout_s=30.0, cycle_calls=cycle_calls)) as target:
         session_id, position = await new_session(target)
         assert await target.decode(session_id, position, 5) == expected[1:6]
         # A block of the right tokens is accepted whole and the bonus token is the next one.
@@ -141,7 +143,10 @@ async def test_decode_and_verify_equal_plain_decoding(services, reference):
         wrong = DraftBlock(token_ids=torch.tensor([(expected[11] + 1) % 256, 3]))
         outcome = await target.verify(session_id, position + 10, wrong)
         assert (outcome.num_accepted, outcome.next_token) == (0, expected[11])
+        if cycle_calls == "stream":  # both on one stream, which ending the session closes
+            assert target._cycle_streams.answered == 2 and len(target._cycle_streams) == 1
         assert await target.end_session(session_id) is True
+        assert target._cycle_streams is None or len(target._cycle_streams) == 0
 
 
 async def test_decode_stops_after_a_stop_token(services, reference):

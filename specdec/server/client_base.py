@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
@@ -19,8 +20,10 @@ import grpc.aio
 from specdec import errors
 from specdec.rpc import common_pb2
 from specdec.engine.cycle_cost import report_model_time
+from specdec.observability.tracing import exports_spans
 from specdec.rpc_convert import actual_position, latest_epoch, live_epochs, server_timing_seconds
 from specdec.server.credentials import create_channel
+from specdec.server.cycle_streams import SessionStreams
 from specdec.server.settings import ClientSettings
 
 Metadata = Sequence[tuple[str, str]]
@@ -92,8 +95,12 @@ class ServiceClient:
     STUB: ClassVar[type]
     TRUNCATE_REQUEST: ClassVar[type]
     END_SESSION_REQUEST: ClassVar[type]
+    # The per-cycle call (Verify, Propose) as a stream RPC: its method name on STUB, and how a unary
+    # request goes into and a unary response comes out of the stream's messages (cycle_streams.py).
+    CYCLE_STREAM: ClassVar[tuple[str, Callable[[Any], Any], Callable[[Any], Any]] | None] = None
 
-    def __init__(self, channel: grpc.aio.Channel, timeout_s: float = 30.0, metadata: Metadata = ()):
+    def __init__(self, channel: grpc.aio.Channel, timeout_s: float = 30.0, metadata: Metadata = (),
+                 stream_cycle_calls: bool = True):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.channel = channel
@@ -101,6 +108,11 @@ class ServiceClient:
         self.timeout_s = timeout_s
         self.metadata = tuple(metadata)
         self._stub = self.STUB(channel)
+        self._cycle_streams: SessionStreams | None = None
+        if stream_cycle_calls and self.CYCLE_STREAM is not None:
+            name, wrap, unwrap = self.CYCLE_STREAM
+            self._cycle_streams = SessionStreams(getattr(self._stub, name), wrap, unwrap, service=self.SERVICE,
+                                                 timeout_s=timeout_s, metadata=self.metadata)
 
     @classmethod
     def connect(cls: type[C], address: str, settings: ClientSettings, *, metadata: Metadata = (),
@@ -108,8 +120,14 @@ class ServiceClient:
         """A client on a new channel: TLS or mutual TLS per `settings` (plaintext only when it says
         so), its bearer token as call credentials, keepalive, message size limit, settings.timeout_s
         as every call's deadline, and W3C trace-context propagation with OpenTelemetry client spans
-        (spans only when `tracer_provider` exports them). `options` go to the subclass's constructor."""
+        (spans only when `tracer_provider` exports them). `options` go to the subclass's constructor.
+        The per-cycle calls go as messages of a stream per session per settings.cycle_calls; "auto"
+        streams unless the caller's spans are exported: then each cycle's call keeps its own client
+        span and the service's span under it, in the cycle's trace (a stream has one span for all)."""
         channel = create_channel(address, settings, tracer_provider=tracer_provider, trace=trace)
+        streams = settings.cycle_calls == "stream" or (
+            settings.cycle_calls == "auto" and not (trace and exports_spans(tracer_provider)))
+        options.setdefault("stream_cycle_calls", streams)
         client = cls(channel, timeout_s=settings.timeout_s, metadata=metadata, **options)
         client.address = address
         return client
@@ -121,6 +139,8 @@ class ServiceClient:
         return (await self._call(self._stub.Truncate, request, session_id)).position
 
     async def end_session(self, session_id: str) -> bool:
+        if self._cycle_streams is not None:
+            self._cycle_streams.close(session_id)
         request = self.END_SESSION_REQUEST(session_id=session_id)
         return (await self._call(self._stub.EndSession, request, session_id)).existed
 
@@ -131,6 +151,8 @@ class ServiceClient:
         raise NotImplementedError
 
     async def close(self) -> None:
+        if self._cycle_streams is not None:
+            self._cycle_streams.close_all()
         await self.channel.close()
 
     async def __aenter__(self: C) -> C:
@@ -144,11 +166,27 @@ class ServiceClient:
         measured (engine/cycle_cost.py)."""
         started = time.perf_counter()
         response = await self._call(method, request, session_id, position, parent_epoch)
+        self._report_timing(response, started)
+        return response
+
+    async def _cycle_call(self, method, request, session_id: str, position: int, parent_epoch: int = 0):
+        """_timed_call of the per-cycle call: on the session's stream where there is one (see
+        cycle_streams.py), else the unary `method`."""
+        response = None
+        started = time.perf_counter()
+        if self._cycle_streams is not None:
+            response = await self._cycle_streams.call(
+                session_id, request, lambda err: domain_error(err, self.SERVICE, session_id, position, parent_epoch))
+        if response is None:
+            response = await self._call(method, request, session_id, position, parent_epoch)
+        self._report_timing(response, started)
+        return response
+
+    def _report_timing(self, response, started: float) -> None:
         timing = server_timing_seconds(response)
         if timing is not None:
             model_s, queued_s, handler_s = timing
             report_model_time(self.ROLE, model_s, queued_s, handler_s, time.perf_counter() - started)
-        return response
 
     async def _call(self, method, request, session_id: str = "", position: int | None = None, parent_epoch: int = 0):
         try:

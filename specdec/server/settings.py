@@ -88,6 +88,9 @@ class ServerSettings:
         return not self.plaintext and self.health_port is not None
 
 
+CYCLE_CALLS = ("auto", "stream", "unary")
+
+
 @dataclass(frozen=True)
 class ClientSettings:
     """How a service (or a backend) reaches another service."""
@@ -100,6 +103,10 @@ class ClientSettings:
     auth_token: str | None = field(default=None, repr=False)
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     timeout_s: float = 30.0  # deadline given to every call that sets none
+    # A session's Verify / Propose calls as messages of one open stream ("stream"), as one call each
+    # ("unary"), or "auto": streams unless the caller's spans are exported (then each call is its own
+    # span in the cycle's trace). See specdec/server/cycle_streams.py.
+    cycle_calls: str = "auto"
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -110,6 +117,8 @@ class ClientSettings:
             raise ConfigError("a bearer token over plaintext would travel in the clear; configure TLS")
         if self.timeout_s <= 0:
             raise ConfigError(f"default call timeout must be > 0 seconds, got {self.timeout_s}")
+        if self.cycle_calls not in CYCLE_CALLS:
+            raise ConfigError(f"cycle calls must be one of {', '.join(CYCLE_CALLS)}, got {self.cycle_calls!r}")
 
 
 def load_auth_tokens(path: Path | None, env_value: str | None) -> frozenset[str]:
@@ -270,6 +279,13 @@ def add_client_arguments(
         default=float(env("TIMEOUT_S", 30.0)),
         help="deadline in seconds for calls that set none",
     )
+    g.add_argument(
+        f"--{prefix}-cycle-calls",
+        choices=CYCLE_CALLS,
+        default=env("CYCLE_CALLS", "auto"),
+        help="a session's per-cycle calls as messages of one open stream (saves each call's setup), one call "
+        "each, or auto: streams unless this process exports spans (then a span per call)",
+    )
 
 
 def client_settings_from_args(
@@ -293,4 +309,5 @@ def client_settings_from_args(
         auth_token=token,
         max_message_bytes=max_message_bytes,
         timeout_s=get("timeout"),
+        cycle_calls=get("cycle_calls"),
     )
