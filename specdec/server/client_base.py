@@ -9,8 +9,7 @@ ServiceDescription.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
