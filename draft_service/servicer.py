@@ -47,6 +47,7 @@ from specdec.rpc_convert import (model_info_to_proto, pack_distributions, sampli
                                  server_timing_to_proto)
 from specdec.server.bootstrap import ModelExecutor
 from specdec.server.service import BatchSettings
+from specdec.server.message_streams import MessageStreams
 from specdec.server.model_servicer import SPECDEC_SESSION_ID, EngineServicer, annotate, check_session_id
 
 DRAFT_SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
@@ -122,6 +123,7 @@ class DraftServicer(EngineServicer, draft_pb2_grpc.DraftServiceServicer):
                                max_batch_size=batching.max_batch_size, batch_wait_s=batching.batch_wait_s,
                                gather=batching.gather, on_step=self._observe_batch)
         self._session_num_draft_tokens: dict[str, int] = {}  # ProposerOptions.num_draft_tokens, if set
+        self.message_streams = MessageStreams()  # the open ProposeStreams, ended when the service stops
         self.update_gauges()
 
     # ---- RPCs ------------------------------------------------------------------------------
@@ -192,7 +194,7 @@ class DraftServicer(EngineServicer, draft_pb2_grpc.DraftServiceServicer):
 
     async def ProposeStream(self, requests, context):
         # Each message is a Propose call; a refusal ends the stream with that call's status.
-        async for message in requests:
+        async for message in self.message_streams.requests(requests):
             yield draft_pb2.DraftServiceProposeStreamResponse(propose=await self.Propose(message.propose, context))
 
     async def GetInfo(self, request, context):

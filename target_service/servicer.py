@@ -54,6 +54,7 @@ from specdec.rpc_convert import (
 )
 from specdec.server.bootstrap import ModelExecutor
 from specdec.server.service import BatchSettings
+from specdec.server.message_streams import MessageStreams
 from specdec.server.model_servicer import SPECDEC_SESSION_ID, EngineServicer, annotate, check_session_id
 from specdec.server.tokenizer_info import TokenizerFacts
 
@@ -102,6 +103,7 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
                                max_batch_size=batching.max_batch_size, batch_wait_s=batching.batch_wait_s,
                                gather=batching.gather, on_step=self._observe_batch)
         self._streams: dict[str, _Stream] = {}  # session -> its DecodeStream in progress
+        self.message_streams = MessageStreams()  # the open VerifyStreams, ended when the service stops
         self._evictions_seen = engine.evictions
         self._trimmed_seen = 0
         self._refusals_seen = 0
@@ -160,7 +162,7 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
 
     async def VerifyStream(self, requests, context):
         # Each message is a Verify call; an error ends the stream with that call's status.
-        async for message in requests:
+        async for message in self.message_streams.requests(requests):
             yield target_pb2.TargetServiceVerifyStreamResponse(verify=await self.Verify(message.verify, context))
 
     async def Decode(self, request, context):

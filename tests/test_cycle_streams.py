@@ -10,6 +10,8 @@ an in-process gRPC server whose answers are canned.
 from __future__ import annotations
 
 import asyncio
+import signal
+import time
 import uuid
 
 import grpc
@@ -21,6 +23,8 @@ from service_procs import launch, stop_all, tiny_model_dir, wait_all
 from specdec import errors
 from specdec.rpc import target_pb2, target_pb2_grpc
 from specdec.sampling.params import SamplingParams
+from specdec.server.client_base import domain_error
+from specdec.server.cycle_streams import SessionStreams
 from specdec.server.settings import ClientSettings
 from specdec.types import DraftBlock
 from target_service.client import TargetClient, connect
@@ -89,14 +93,40 @@ async def test_a_late_answer_discards_the_stream_and_a_stream_closed_while_idle_
         assert end(await client.verify(session, held, block(3))) > held
 
 
+async def test_a_stopping_service_ends_its_idle_streams_instead_of_waiting_its_grace(tmp_path_factory):
+    """Open streams must not hold a restart for its whole grace period (server/message_streams.py):
+    SIGTERM with a 30 s grace ends an idle stream at once, with status OK, the service exits, and the
+    session's next call is refused like any call to a stopped service."""
+    model = tiny_model_dir(tmp_path_factory.getbasetemp(), "target", seed=0)
+    proc = launch("target_service", ["--model", str(model), "--max-context", "256", "--plaintext",
+                                     "--grace-period", "30"], log_dir=tmp_path_factory.mktemp("stopping-logs"))
+    wait_all(proc)
+    try:
+        async with connect(proc.address, STREAM) as client:
+            session = uuid.uuid4().hex
+            position, _ = await client.start_session(session, PROMPT, SamplingParams())
+            outcome = await client.verify(session, position, block(3))
+            call = client._cycle_streams._open[session].call
+            started = time.monotonic()
+            proc.signal(signal.SIGTERM)
+            assert await asyncio.wait_for(call.code(), 10) == grpc.StatusCode.OK
+            assert await asyncio.to_thread(proc.proc.wait, 20) == 0
+            assert time.monotonic() - started < 15  # not the 30 s grace
+            with pytest.raises(errors.ServiceUnavailable):
+                await client.verify(session, end(outcome), block(3))
+    finally:
+        stop_all(proc)
+
+
 # ---- against an in-process server with canned answers ------------------------------------------
 
 
 class CannedTarget(target_pb2_grpc.TargetServiceServicer):
     """Answers Verify (and VerifyStream unless `old`) after `delay_s`, counting calls by kind."""
 
-    def __init__(self, old: bool = False, delay_s: float = 0.0):
-        self.old, self.delay_s, self.calls = old, delay_s, {"unary": 0, "stream": 0, "streams": 0}
+    def __init__(self, old: bool = False, delay_s: float = 0.0, hang_up: bool = False):
+        self.old, self.delay_s, self.hang_up = old, delay_s, hang_up
+        self.calls = {"unary": 0, "stream": 0, "streams": 0}
 
     async def answer(self, request) -> target_pb2.TargetServiceVerifyResponse:
         await asyncio.sleep(self.delay_s)
@@ -111,6 +141,8 @@ class CannedTarget(target_pb2_grpc.TargetServiceServicer):
         if self.old:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
         self.calls["streams"] += 1
+        if self.hang_up:  # ends every stream at once, status OK
+            return
         async for message in requests:
             self.calls["stream"] += 1
             if message.verify.position == 99:  # the service shutting down: it ends the stream unanswered
@@ -156,6 +188,31 @@ async def test_a_second_call_of_a_busy_session_goes_unary_and_idle_streams_are_c
         for session in ("c", "d", "e"):
             await client.verify(session, 1, block(1))
         assert list(streams._open) == ["d", "e"]  # the least recently used went
+    finally:
+        await client.close()
+        await server.stop(None)
+
+
+async def test_a_stream_that_ended_before_the_write_is_not_a_lost_request():
+    """grpc.aio refuses a write on an ended call with InvalidStateError, not its status: a stream the
+    service closed (OK) sends this call unary; one that failed reports the failure as a domain error."""
+    servicer = CannedTarget(hang_up=True)
+    server, client = await canned(servicer)
+    try:
+        closed = client._stub.VerifyStream()
+        assert await closed.code() == grpc.StatusCode.OK
+        streams = SessionStreams(lambda metadata=None: closed, *TargetClient.CYCLE_STREAM[1:],
+                                 service="target service", timeout_s=5.0)
+        request = target_pb2.TargetServiceVerifyRequest(session_id="s", position=3, draft_token_ids=[1])
+        assert await streams.call("s", request, lambda err: domain_error(err, "target service")) is None
+        await server.stop(None)
+        failed = client._stub.VerifyStream()
+        assert await failed.code() == grpc.StatusCode.UNAVAILABLE
+        streams = SessionStreams(lambda metadata=None: failed, *TargetClient.CYCLE_STREAM[1:],
+                                 service="target service", timeout_s=5.0)
+        with pytest.raises(errors.ServiceUnavailable, match="UNAVAILABLE"):
+            await streams.call("s", request, lambda err: domain_error(err, "target service"))
+        assert len(streams) == 0
     finally:
         await client.close()
         await server.stop(None)

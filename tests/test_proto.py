@@ -130,10 +130,10 @@ def test_generated_modules_live_in_the_specdec_v1_package():
 
 SERVICES = {
     (target_pb2, target_pb2_grpc, "TargetService"): {
-        "StartSession", "Verify", "Decode", "DecodeStream", "Truncate", "EndSession", "GetInfo"
+        "StartSession", "Verify", "VerifyStream", "Decode", "DecodeStream", "Truncate", "EndSession", "GetInfo"
     },
     (draft_pb2, draft_pb2_grpc, "DraftService"): {
-        "StartSession", "Propose", "Truncate", "EndSession", "GetInfo"
+        "StartSession", "Propose", "ProposeStream", "Truncate", "EndSession", "GetInfo"
     },
     (coordinator_pb2, coordinator_pb2_grpc, "CoordinatorService"): {
         "Generate", "Cancel", "GetSession", "EndSession",
@@ -150,8 +150,10 @@ def test_services_have_their_rpcs_stubs_and_servicers(key):
     for method in service.methods:
         assert method.input_type.name == f"{name}{method.name}Request"
         assert method.output_type.name == f"{name}{method.name}Response"
-        assert method.server_streaming == (method.name in ("Generate", "DecodeStream"))
-        assert not method.client_streaming
+        assert method.server_streaming == (method.name in ("Generate", "DecodeStream", "VerifyStream",
+                                                           "ProposeStream"))
+        # The per-cycle calls' streams: one message in, one out, in order.
+        assert method.client_streaming == (method.name in ("VerifyStream", "ProposeStream"))
     assert hasattr(pb2_grpc, f"{name}Stub") and hasattr(pb2_grpc, f"{name}Servicer")
     assert hasattr(pb2_grpc, f"add_{name}Servicer_to_server")
 

@@ -77,6 +77,7 @@ class ServiceHost:
         health_check: HealthCheck | None = None,
         health_check_interval_s: float = 5.0,
         on_shutdown: Hook | Iterable[Hook] = (),
+        on_stopping: Hook | Iterable[Hook] = (),
         tracer_provider=None,
         registry: CollectorRegistry | None = None,
         error_codes: Mapping[type[BaseException], grpc.StatusCode] | None = None,
@@ -89,6 +90,8 @@ class ServiceHost:
         self._health_check = health_check
         self._health_check_interval_s = health_check_interval_s
         self._hooks = [on_shutdown] if callable(on_shutdown) else list(on_shutdown)
+        # Run as the server stops taking calls (after the drain period), before it waits for those in flight.
+        self._stopping_hooks = [on_stopping] if callable(on_stopping) else list(on_stopping)
         self._tracer_provider = tracer_provider
         self._registry = registry
         self._health = health.aio.HealthServicer()
@@ -211,19 +214,24 @@ class ServiceHost:
         await self._health.enter_graceful_shutdown()
         if self.settings.drain_period_s:
             await asyncio.sleep(self.settings.drain_period_s)
+        await self._run_hooks(self._stopping_hooks)
         if self._server is not None:
             await self._server.stop(self.settings.grace_period_s)
         if self._health_server is not None:
             await self._health_server.stop(None)
-        for hook in self._hooks:
-            try:
-                await _maybe_await(hook())
-            except Exception:  # noqa: BLE001 - one failing hook must not skip the others
-                logger.exception("shutdown hook %r failed", hook)
+        await self._run_hooks(self._hooks)
         if self._metrics is not None:
             await asyncio.to_thread(self._metrics.close)
         self._stopped.set()
         logger.info("stopped")
+
+    @staticmethod
+    async def _run_hooks(hooks: list[Hook]) -> None:
+        for hook in hooks:
+            try:
+                await _maybe_await(hook())
+            except Exception:  # noqa: BLE001 - one failing hook must not skip the others
+                logger.exception("shutdown hook %r failed", hook)
 
     async def wait(self) -> None:
         """Until the shutdown has completed."""
@@ -236,6 +244,7 @@ async def serve(
     *,
     health_check: HealthCheck | None = None,
     on_shutdown: Hook | Iterable[Hook] = (),
+    on_stopping: Hook | Iterable[Hook] = (),
     tracer_provider=None,
     registry: CollectorRegistry | None = None,
     error_codes: Mapping[type[BaseException], grpc.StatusCode] | None = None,
@@ -253,6 +262,7 @@ async def serve(
         register,
         health_check=health_check,
         on_shutdown=on_shutdown,
+        on_stopping=on_stopping,
         tracer_provider=tracer_provider,
         registry=registry,
         error_codes=error_codes,

@@ -78,9 +78,10 @@ class SessionStreams:
         self._open.move_to_end(session_id)
         stream.busy = True
         try:
-            await stream.call.write(self._wrap(request))
-            async with asyncio.timeout(self.timeout_s):
-                message = await stream.call.read()
+            message = await self._exchange(stream.call, request)
+        except _NotSent:  # the stream ended (status OK) just before the write: this call goes unary
+            self._discard(session_id)
+            return None
         except TimeoutError:
             self._discard(session_id)
             raise errors.ServiceUnavailable(f"{self.service} sent no answer for {self.timeout_s} s") from None
@@ -101,6 +102,18 @@ class SessionStreams:
         stream.busy, stream.last_used = False, time.monotonic()
         self.answered += 1
         return self._unwrap(message)
+
+    async def _exchange(self, call: grpc.aio.StreamStreamCall, request):
+        try:
+            await call.write(self._wrap(request))
+        except asyncio.InvalidStateError:  # the call ended before this write (grpc.aio raises this, not its status)
+            code = await call.code()
+            if code == grpc.StatusCode.OK:
+                raise _NotSent() from None
+            raise grpc.aio.AioRpcError(code, await call.initial_metadata(), await call.trailing_metadata(),
+                                       await call.details()) from None
+        async with asyncio.timeout(self.timeout_s):
+            return await call.read()
 
     def close(self, session_id: str) -> None:
         if session_id in self._open and not self._open[session_id].busy:
@@ -125,3 +138,7 @@ class SessionStreams:
         stream = self._open.pop(session_id, None)
         if stream is not None:
             stream.call.cancel()  # a no-op once the stream ended
+
+
+class _NotSent(Exception):
+    """The session's stream had ended (status OK) before the request could be written."""

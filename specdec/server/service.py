@@ -221,7 +221,8 @@ async def serve_model_service(
     `build_servicer(executor, registry)` makes the servicer: its engine calls go through the
     ModelExecutor `executor`, its metrics into the Prometheus `registry` served on /metrics. Once
     serving, `servicer.expire_idle_sessions(interval)` runs until shutdown and the ready file is
-    written; at shutdown `servicer.aclose()` runs, then the executor finishes its last call and closes.
+    written; as the server stops taking calls, `servicer.message_streams` ends its open streams; at
+    shutdown `servicer.aclose()` runs, then the executor finishes its last call and closes.
     """
     import asyncio
 
@@ -250,6 +251,8 @@ async def serve_model_service(
     # A model service calls no one: when its spans go nowhere, tracing its calls only costs time.
     from specdec.observability.tracing import exports_spans
 
+    # Open per-cycle message streams end as the server stops taking calls (server/message_streams.py).
     await serve(settings, register, on_shutdown=[stop_tasks, servicer.aclose, executor.aclose],
+                on_stopping=[servicer.message_streams.end],
                 tracer_provider=tracer_provider, registry=registry, on_started=started,
                 trace_calls=exports_spans(tracer_provider))
