@@ -62,7 +62,8 @@ class DraftClient(ServiceClient):
     STUB = draft_pb2_grpc.DraftServiceStub
     TRUNCATE_REQUEST = draft_pb2.DraftServiceTruncateRequest
     END_SESSION_REQUEST = draft_pb2.DraftServiceEndSessionRequest
-    CYCLE_STREAM = ("ProposeStream", lambda request: draft_pb2.DraftServiceProposeStreamRequest(propose=request),
+    CYCLE_STREAM = ("ProposeStream", "/specdec.v1.DraftService/Propose",
+                    lambda request: draft_pb2.DraftServiceProposeStreamRequest(propose=request),
                     lambda message: message.propose)
 
     def __init__(
@@ -71,11 +72,12 @@ class DraftClient(ServiceClient):
         timeout_s: float = 30.0,
         metadata: Metadata = (),
         stream_cycle_calls: bool = True,
+        tracer=None,
         *,
         num_draft_tokens: int = 0,
         top_m: int = 0,
     ):
-        super().__init__(channel, timeout_s, metadata, stream_cycle_calls)
+        super().__init__(channel, timeout_s, metadata, stream_cycle_calls, tracer)
         self.options = draft_pb2.ProposerOptions(num_draft_tokens=num_draft_tokens, top_m=top_m)
 
     async def start_session(self, session_id: str, token_ids: Sequence[int], params: SamplingParams) -> None:

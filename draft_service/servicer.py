@@ -195,7 +195,9 @@ class DraftServicer(EngineServicer, draft_pb2_grpc.DraftServiceServicer):
     async def ProposeStream(self, requests, context):
         # Each message is a Propose call; a refusal ends the stream with that call's status.
         async for message in self.message_streams.requests(requests):
-            yield draft_pb2.DraftServiceProposeStreamResponse(propose=await self.Propose(message.propose, context))
+            with self.message_streams.span("/specdec.v1.DraftService/Propose", message.trace_context):
+                response = await self.Propose(message.propose, context)
+            yield draft_pb2.DraftServiceProposeStreamResponse(propose=response)
 
     async def GetInfo(self, request, context):
         model = self._model()

@@ -57,7 +57,8 @@ class TargetClient(ServiceClient):
     STUB = target_pb2_grpc.TargetServiceStub
     TRUNCATE_REQUEST = target_pb2.TargetServiceTruncateRequest
     END_SESSION_REQUEST = target_pb2.TargetServiceEndSessionRequest
-    CYCLE_STREAM = ("VerifyStream", lambda request: target_pb2.TargetServiceVerifyStreamRequest(verify=request),
+    CYCLE_STREAM = ("VerifyStream", "/specdec.v1.TargetService/Verify",
+                    lambda request: target_pb2.TargetServiceVerifyStreamRequest(verify=request),
                     lambda message: message.verify)
     _decode_stream_unimplemented = False  # set once the target answered DecodeStream with UNIMPLEMENTED
 

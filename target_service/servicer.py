@@ -163,7 +163,9 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
     async def VerifyStream(self, requests, context):
         # Each message is a Verify call; an error ends the stream with that call's status.
         async for message in self.message_streams.requests(requests):
-            yield target_pb2.TargetServiceVerifyStreamResponse(verify=await self.Verify(message.verify, context))
+            with self.message_streams.span("/specdec.v1.TargetService/Verify", message.trace_context):
+                response = await self.Verify(message.verify, context)
+            yield target_pb2.TargetServiceVerifyStreamResponse(verify=response)
 
     async def Decode(self, request, context):
         received_ns = time.perf_counter_ns()

@@ -100,17 +100,15 @@ async def running_coordinator(redis_url: str, tokenizer_dir, targets=(), drafts=
                               server: dict | None = None, target_client: ClientSettings | None = None,
                               **overrides):
     """A coordinator on a free port (plaintext), its own Redis key prefix, an in-memory span exporter
-    and a metrics port; yields a Running. Target calls are plaintext unless target_client says. The
-    sessions' Verify and Propose calls go as messages of their streams (cycle_calls "stream"), the
-    default outside tests, where no spans are exported: "auto" would make them unary here."""
+    and a metrics port; yields a Running. Target calls are plaintext unless target_client says."""
     exporter = InMemorySpanExporter()
     provider = setup_tracing("coordinator-test", exporter=exporter)
     registry = new_registry(process=False)
     settings = CoordinatorSettings(
         server=ServerSettings(**{"port": 0, "plaintext": True, "metrics_port": 0, "grace_period_s": 5.0,
                                  **(server or {})}),
-        target_client=target_client or ClientSettings(plaintext=True, timeout_s=10.0, cycle_calls="stream"),
-        draft_client=ClientSettings(plaintext=True, timeout_s=2.0, cycle_calls="stream"),
+        target_client=target_client or ClientSettings(plaintext=True, timeout_s=10.0),
+        draft_client=ClientSettings(plaintext=True, timeout_s=2.0),
         tokenizer=str(tokenizer_dir), redis_url=redis_url, targets=tuple(targets), drafts=tuple(drafts),
         redis_prefix=prefix or f"t{uuid.uuid4().hex[:12]}", **overrides,
     )

@@ -355,9 +355,12 @@ def _limits(limit: int):
 
 
 async def test_spans_link_request_cycles_and_the_target_across_processes(redis_url, dirs, services):
+    """Verify goes as messages of the session's stream (server/cycle_streams.py), each with its own
+    client span and the target's server span under it, named as the unary call's."""
     async with coordinator(redis_url, dirs, services, "same") as c:
         messages = await c.generate(prompt=PROMPTS[0], max_new_tokens=12)
         spans = c.exporter.get_finished_spans()
+        assert c.coordinator.router.target(services["target"].address)._cycle_streams.answered > 0
     by_id = {s.context.span_id: s for s in spans}
     request_span = next(s for s in spans if s.name.startswith("chat "))
     attributes = request_span.attributes

@@ -201,14 +201,14 @@ async def test_a_stream_that_ended_before_the_write_is_not_a_lost_request():
     try:
         closed = client._stub.VerifyStream()
         assert await closed.code() == grpc.StatusCode.OK
-        streams = SessionStreams(lambda metadata=None: closed, *TargetClient.CYCLE_STREAM[1:],
+        streams = SessionStreams(lambda metadata=None: closed, *TargetClient.CYCLE_STREAM[2:],
                                  service="target service", timeout_s=5.0)
         request = target_pb2.TargetServiceVerifyRequest(session_id="s", position=3, draft_token_ids=[1])
         assert await streams.call("s", request, lambda err: domain_error(err, "target service")) is None
         await server.stop(None)
         failed = client._stub.VerifyStream()
         assert await failed.code() == grpc.StatusCode.UNAVAILABLE
-        streams = SessionStreams(lambda metadata=None: failed, *TargetClient.CYCLE_STREAM[1:],
+        streams = SessionStreams(lambda metadata=None: failed, *TargetClient.CYCLE_STREAM[2:],
                                  service="target service", timeout_s=5.0)
         with pytest.raises(errors.ServiceUnavailable, match="UNAVAILABLE"):
             await streams.call("s", request, lambda err: domain_error(err, "target service"))

@@ -308,6 +308,7 @@ async def test_resource_exhausted_only_when_every_session_is_active_and_spans(ta
     engine = TargetEngine(load_model(target_dir, backend="native", num_slots=1, max_context=CONTEXT))
     executor = ModelExecutor("test-target")
     servicer = TargetServicer(engine, executor, TargetMetrics(new_registry(process=False)), max_draft_tokens=8)
+    servicer.message_streams.tracer = provider.get_tracer("test-target")  # as serve_model_service does
 
     def register(server):
         target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)

@@ -12,6 +12,7 @@ so a trace is sampled or not as a whole, decided where it starts.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -90,10 +91,52 @@ def exports_spans(provider) -> bool:
     return provider is None or processors is None or len(processors) > 0
 
 
-def _traced_filter():
-    from opentelemetry.instrumentation.grpc.filters import any_of, negate, service_name
+# A session's per-cycle message streams (server/cycle_streams.py) outlive their cycles, so a span per
+# stream would straddle many traces: they are traced per message (sent_/received_message_span).
+_PER_MESSAGE = ("/specdec.v1.TargetService/VerifyStream", "/specdec.v1.DraftService/ProposeStream")
 
-    return negate(any_of(*(service_name(s) for s in _UNTRACED_SERVICES)))
+
+def _traced_filter():
+    from opentelemetry.instrumentation.grpc.filters import any_of, full_method_name, negate, service_name
+
+    return negate(any_of(*(service_name(s) for s in _UNTRACED_SERVICES),
+                         *(full_method_name(m) for m in _PER_MESSAGE)))
+
+
+def _rpc_attributes(method: str) -> dict:
+    service, _, name = method.lstrip("/").partition("/")
+    return {"rpc.system": "grpc", "rpc.service": service, "rpc.method": name}
+
+
+@contextlib.contextmanager
+def sent_message_span(tracer, method: str, carrier):
+    """Around one message of a per-cycle stream, sent: a CLIENT span under the current one, named
+    and described as the unary call `method` ("/specdec.v1.TargetService/Verify") would be, whose
+    context goes into `carrier` (the message's trace_context). No tracer (spans go nowhere): no span,
+    only the current context injected, so a service that exports still joins the caller's trace."""
+    if tracer is None:
+        inject(carrier)
+        yield
+        return
+    from opentelemetry import trace
+
+    with tracer.start_as_current_span(method, kind=trace.SpanKind.CLIENT,
+                                      attributes=_rpc_attributes(method)):
+        inject(carrier)
+        yield
+
+
+def received_message_span(tracer, method: str, carrier):
+    """Around handling one received message of a per-cycle stream: a SERVER span continuing the
+    trace in the message's trace_context (`carrier`), as the unary call `method` would have one.
+    No tracer: none."""
+    if tracer is None:
+        return contextlib.nullcontext()
+    from opentelemetry import trace
+    from opentelemetry.propagate import extract
+
+    return tracer.start_as_current_span(method, context=extract(dict(carrier)), kind=trace.SpanKind.SERVER,
+                                        attributes=_rpc_attributes(method))
 
 
 def server_interceptor(tracer_provider=None):

@@ -94,12 +94,13 @@ class ServiceClient:
     STUB: ClassVar[type]
     TRUNCATE_REQUEST: ClassVar[type]
     END_SESSION_REQUEST: ClassVar[type]
-    # The per-cycle call (Verify, Propose) as a stream RPC: its method name on STUB, and how a unary
-    # request goes into and a unary response comes out of the stream's messages (cycle_streams.py).
-    CYCLE_STREAM: ClassVar[tuple[str, Callable[[Any], Any], Callable[[Any], Any]] | None] = None
+    # The per-cycle call (Verify, Propose) as a stream RPC: the stream's method name on STUB, the unary
+    # call's full name (its spans' name), and how a unary request goes into and a unary response comes
+    # out of the stream's messages (cycle_streams.py).
+    CYCLE_STREAM: ClassVar[tuple[str, str, Callable[[Any], Any], Callable[[Any], Any]] | None] = None
 
     def __init__(self, channel: grpc.aio.Channel, timeout_s: float = 30.0, metadata: Metadata = (),
-                 stream_cycle_calls: bool = True):
+                 stream_cycle_calls: bool = True, tracer=None):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.channel = channel
@@ -109,9 +110,10 @@ class ServiceClient:
         self._stub = self.STUB(channel)
         self._cycle_streams: SessionStreams | None = None
         if stream_cycle_calls and self.CYCLE_STREAM is not None:
-            name, wrap, unwrap = self.CYCLE_STREAM
+            name, unary, wrap, unwrap = self.CYCLE_STREAM
             self._cycle_streams = SessionStreams(getattr(self._stub, name), wrap, unwrap, service=self.SERVICE,
-                                                 timeout_s=timeout_s, metadata=self.metadata)
+                                                 timeout_s=timeout_s, metadata=self.metadata, tracer=tracer,
+                                                 span_name=unary)
 
     @classmethod
     def connect(cls: type[C], address: str, settings: ClientSettings, *, metadata: Metadata = (),
@@ -120,13 +122,14 @@ class ServiceClient:
         so), its bearer token as call credentials, keepalive, message size limit, settings.timeout_s
         as every call's deadline, and W3C trace-context propagation with OpenTelemetry client spans
         (spans only when `tracer_provider` exports them). `options` go to the subclass's constructor.
-        The per-cycle calls go as messages of a stream per session per settings.cycle_calls; "auto"
-        streams unless the caller's spans are exported: then each cycle's call keeps its own client
-        span and the service's span under it, in the cycle's trace (a stream has one span for all)."""
+        The per-cycle calls go as messages of a stream per session unless settings.cycle_calls is
+        "unary"; each message gets its own client span then (cycle_streams.py)."""
+        from opentelemetry import trace as otel_trace
+
         channel = create_channel(address, settings, tracer_provider=tracer_provider, trace=trace)
-        streams = settings.cycle_calls == "stream" or (
-            settings.cycle_calls == "auto" and not (trace and exports_spans(tracer_provider)))
-        options.setdefault("stream_cycle_calls", streams)
+        options.setdefault("stream_cycle_calls", settings.cycle_calls == "stream")
+        if trace and exports_spans(tracer_provider):
+            options.setdefault("tracer", otel_trace.get_tracer("specdec.client", tracer_provider=tracer_provider))
         client = cls(channel, timeout_s=settings.timeout_s, metadata=metadata, **options)
         client.address = address
         return client

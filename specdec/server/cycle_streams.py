@@ -18,6 +18,9 @@ failed, so errors come back as the same domain errors. What a stream changes, an
 - A service older than the stream RPC (UNIMPLEMENTED) is called unary from then on.
 - Streams of sessions idle for idle_s, and the least recently used past max_open, are closed, so
   sessions kept between turns hold no stream.
+- A stream outlives its cycles' traces, so each message carries its own trace context, and gets its
+  own CLIENT span when the caller's spans are exported; the service makes a SERVER span per message
+  under it. Both are named as the unary call's, so a trace reads the same either way.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import grpc
 import grpc.aio
 
 from specdec import errors
+from specdec.observability.tracing import sent_message_span
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +57,13 @@ class SessionStreams:
     (the session's stream is busy, or the service has no stream RPC)."""
 
     def __init__(self, method: grpc.aio.StreamStreamMultiCallable, wrap: Callable[[object], object], unwrap: Unwrap,
-                 *, service: str, timeout_s: float, metadata=(), idle_s: float = 30.0, max_open: int = 1024):
+                 *, service: str, timeout_s: float, metadata=(), idle_s: float = 30.0, max_open: int = 1024,
+                 tracer=None, span_name: str = ""):
         self._method, self._wrap, self._unwrap = method, wrap, unwrap
         self.service, self.timeout_s, self.metadata = service, timeout_s, tuple(metadata)
+        # A CLIENT span per message, named as the unary call's (span_name), when the caller's spans
+        # are exported (tracer); each message carries its trace context either way.
+        self.tracer, self.span_name = tracer, span_name
         self.idle_s, self.max_open = idle_s, max_open
         self._open: OrderedDict[str, _Stream] = OrderedDict()  # least recently used first
         self.unimplemented = False
@@ -77,8 +85,10 @@ class SessionStreams:
             stream = self._start(session_id)
         self._open.move_to_end(session_id)
         stream.busy = True
+        sent = self._wrap(request)
         try:
-            message = await self._exchange(stream.call, request)
+            with sent_message_span(self.tracer, self.span_name, sent.trace_context):
+                message = await self._exchange(stream.call, sent)
         except _NotSent:  # the stream ended (status OK) just before the write: this call goes unary
             self._discard(session_id)
             return None
@@ -103,9 +113,9 @@ class SessionStreams:
         self.answered += 1
         return self._unwrap(message)
 
-    async def _exchange(self, call: grpc.aio.StreamStreamCall, request):
+    async def _exchange(self, call: grpc.aio.StreamStreamCall, message):
         try:
-            await call.write(self._wrap(request))
+            await call.write(message)
         except asyncio.InvalidStateError:  # the call ended before this write (grpc.aio raises this, not its status)
             code = await call.code()
             if code == grpc.StatusCode.OK:

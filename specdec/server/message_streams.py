@@ -15,9 +15,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterable, AsyncIterator
 
+from specdec.observability.tracing import received_message_span
+
 
 class MessageStreams:
     def __init__(self) -> None:
+        self.tracer = None  # set when the service exports spans: a SERVER span per message (span())
         self.ended = False
         self._idle: set[asyncio.Task] = set()  # handlers waiting for their stream's next request
         self._ending: set[asyncio.Task] = set()  # of those, the ones end() cancelled
@@ -41,6 +44,11 @@ class MessageStreams:
                 self._idle.discard(task)
                 self._ending.discard(task)
             yield message
+
+    def span(self, method: str, trace_context):
+        """Around answering one message: the span the unary call `method` would have had, in the trace
+        the message carries (a stream outlives its cycles' traces)."""
+        return received_message_span(self.tracer, method, trace_context)
 
     def end(self) -> None:
         """No more requests: idle streams end now, busy ones after their answer."""

@@ -251,6 +251,11 @@ async def serve_model_service(
     # A model service calls no one: when its spans go nowhere, tracing its calls only costs time.
     from specdec.observability.tracing import exports_spans
 
+    if exports_spans(tracer_provider):  # the per-cycle streams' messages are traced one by one
+        from opentelemetry import trace
+
+        servicer.message_streams.tracer = trace.get_tracer(service_name, tracer_provider=tracer_provider)
+
     # Open per-cycle message streams end as the server stops taking calls (server/message_streams.py).
     await serve(settings, register, on_shutdown=[stop_tasks, servicer.aclose, executor.aclose],
                 on_stopping=[servicer.message_streams.end],

@@ -88,7 +88,7 @@ class ServerSettings:
         return not self.plaintext and self.health_port is not None
 
 
-CYCLE_CALLS = ("auto", "stream", "unary")
+CYCLE_CALLS = ("stream", "unary")
 
 
 @dataclass(frozen=True)
@@ -103,10 +103,9 @@ class ClientSettings:
     auth_token: str | None = field(default=None, repr=False)
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     timeout_s: float = 30.0  # deadline given to every call that sets none
-    # A session's Verify / Propose calls as messages of one open stream ("stream"), as one call each
-    # ("unary"), or "auto": streams unless the caller's spans are exported (then each call is its own
-    # span in the cycle's trace). See specdec/server/cycle_streams.py.
-    cycle_calls: str = "auto"
+    # A session's Verify / Propose calls as messages of one open stream ("stream") or as one call each
+    # ("unary"). See specdec/server/cycle_streams.py.
+    cycle_calls: str = "stream"
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -282,9 +281,8 @@ def add_client_arguments(
     g.add_argument(
         f"--{prefix}-cycle-calls",
         choices=CYCLE_CALLS,
-        default=env("CYCLE_CALLS", "auto"),
-        help="a session's per-cycle calls as messages of one open stream (saves each call's setup), one call "
-        "each, or auto: streams unless this process exports spans (then a span per call)",
+        default=env("CYCLE_CALLS", "stream"),
+        help="a session's per-cycle calls as messages of one open stream (saves each call's setup) or one call each",
     )
 
 
