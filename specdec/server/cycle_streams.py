@@ -54,7 +54,8 @@ class SessionStreams:
     """The open streams of one stream RPC (VerifyStream, ProposeStream) on one channel, by session.
 
     call() returns the unary response, or None when the caller should make the unary call itself
-    (the session's stream is busy, or the service has no stream RPC)."""
+    (the session's stream is busy, it ended just before this request could be written, or the service
+    has no stream RPC)."""
 
     def __init__(self, method: grpc.aio.StreamStreamMultiCallable, wrap: Callable[[object], object], unwrap: Unwrap,
                  *, service: str, timeout_s: float, metadata=(), idle_s: float = 30.0, max_open: int = 1024,
