@@ -24,7 +24,7 @@ from specdec.engine.api import Proposal
 from specdec.engine.cycle_cost import DRAFT
 from specdec.errors import InvalidArgument
 from specdec.models.base import ModelInfo
-from specdec.rpc import draft_pb2, draft_pb2_grpc
+from specdec.rpc import PROPOSE_METHOD, draft_pb2, draft_pb2_grpc
 from specdec.rpc_convert import model_info_from_proto, sampling_params_to_proto, unpack_distributions
 from specdec.sampling.params import SamplingParams
 from specdec.server.client_base import Metadata, ServiceClient, ServiceDescription
@@ -62,7 +62,7 @@ class DraftClient(ServiceClient):
     STUB = draft_pb2_grpc.DraftServiceStub
     TRUNCATE_REQUEST = draft_pb2.DraftServiceTruncateRequest
     END_SESSION_REQUEST = draft_pb2.DraftServiceEndSessionRequest
-    CYCLE_STREAM = ("ProposeStream", "/specdec.v1.DraftService/Propose",
+    CYCLE_STREAM = ("ProposeStream", PROPOSE_METHOD,
                     lambda request: draft_pb2.DraftServiceProposeStreamRequest(propose=request),
                     lambda message: message.propose)
 

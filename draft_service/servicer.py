@@ -42,7 +42,8 @@ from specdec.errors import (
 from specdec.models.base import ModelInfo
 from specdec.observability.metrics import DraftMetrics
 from specdec.observability.spans import SPECDEC_NUM_DRAFT_TOKENS, SPECDEC_POSITION
-from specdec.rpc import ACTUAL_POSITION_KEY, LATEST_EPOCH_KEY, LIVE_EPOCHS_KEY, draft_pb2, draft_pb2_grpc
+from specdec.rpc import (ACTUAL_POSITION_KEY, LATEST_EPOCH_KEY, LIVE_EPOCHS_KEY, PROPOSE_METHOD, draft_pb2,
+                         draft_pb2_grpc)
 from specdec.rpc_convert import (model_info_to_proto, pack_distributions, sampling_params_from_proto,
                                  server_timing_to_proto)
 from specdec.server.bootstrap import ModelExecutor
@@ -195,7 +196,7 @@ class DraftServicer(EngineServicer, draft_pb2_grpc.DraftServiceServicer):
     async def ProposeStream(self, requests, context):
         # Each message is a Propose call; a refusal ends the stream with that call's status.
         async for message in self.message_streams.requests(requests):
-            with self.message_streams.span("/specdec.v1.DraftService/Propose", message.trace_context):
+            with self.message_streams.span(PROPOSE_METHOD, message.trace_context):
                 response = await self.Propose(message.propose, context)
             yield draft_pb2.DraftServiceProposeStreamResponse(propose=response)
 

@@ -25,11 +25,17 @@ ACTUAL_POSITION_KEY = "specdec-actual-position"
 LATEST_EPOCH_KEY = "specdec-latest-epoch"
 # Every live proposal's epoch, comma-separated, oldest first (pipelining: the newest is not the only one).
 LIVE_EPOCHS_KEY = "specdec-live-epochs"
+# The per-cycle calls' full names: their spans' names, also for each message of their streams
+# (VerifyStream, ProposeStream: specdec/server/cycle_streams.py).
+VERIFY_METHOD = "/specdec.v1.TargetService/Verify"
+PROPOSE_METHOD = "/specdec.v1.DraftService/Propose"
 
 __all__ = [
     "ACTUAL_POSITION_KEY",
     "LATEST_EPOCH_KEY",
     "LIVE_EPOCHS_KEY",
+    "PROPOSE_METHOD",
+    "VERIFY_METHOD",
     "common_pb2",
     "coordinator_pb2",
     "coordinator_pb2_grpc",

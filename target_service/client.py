@@ -27,7 +27,7 @@ from specdec import errors
 from specdec.engine.api import InnerDraft, decode_by_steps
 from specdec.engine.cycle_cost import DRAFT, TARGET, report_draft_limit, report_inner_draft, report_model_time
 from specdec.models.base import ModelInfo
-from specdec.rpc import target_pb2, target_pb2_grpc
+from specdec.rpc import VERIFY_METHOD, target_pb2, target_pb2_grpc
 from specdec.rpc_convert import (
     model_info_from_proto,
     pack_distributions,
@@ -57,7 +57,7 @@ class TargetClient(ServiceClient):
     STUB = target_pb2_grpc.TargetServiceStub
     TRUNCATE_REQUEST = target_pb2.TargetServiceTruncateRequest
     END_SESSION_REQUEST = target_pb2.TargetServiceEndSessionRequest
-    CYCLE_STREAM = ("VerifyStream", "/specdec.v1.TargetService/Verify",
+    CYCLE_STREAM = ("VerifyStream", VERIFY_METHOD,
                     lambda request: target_pb2.TargetServiceVerifyStreamRequest(verify=request),
                     lambda message: message.verify)
     _decode_stream_unimplemented = False  # set once the target answered DecodeStream with UNIMPLEMENTED

@@ -44,7 +44,7 @@ from specdec.errors import InvalidArgument
 from specdec.generation.inner_adaptive import AdaptiveDraftLength
 from specdec.observability.metrics import TargetMetrics
 from specdec.observability.spans import SPECDEC_NUM_ACCEPTED, SPECDEC_NUM_DRAFT_TOKENS, SPECDEC_POSITION
-from specdec.rpc import target_pb2, target_pb2_grpc
+from specdec.rpc import VERIFY_METHOD, target_pb2, target_pb2_grpc
 from specdec.rpc_convert import (
     model_info_to_proto,
     sampling_params_from_proto,
@@ -163,7 +163,7 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
     async def VerifyStream(self, requests, context):
         # Each message is a Verify call; an error ends the stream with that call's status.
         async for message in self.message_streams.requests(requests):
-            with self.message_streams.span("/specdec.v1.TargetService/Verify", message.trace_context):
+            with self.message_streams.span(VERIFY_METHOD, message.trace_context):
                 response = await self.Verify(message.verify, context)
             yield target_pb2.TargetServiceVerifyStreamResponse(verify=response)
 
