@@ -97,6 +97,24 @@ def test_client_arguments_per_upstream(tmp_path):
         ClientSettings(tls_cert=Path("c"))
 
 
+
+def test_cycle_calls_stream_by_default_and_unary_on_request():
+    """--<upstream>-cycle-calls (or SPECDEC_<UPSTREAM>_CYCLE_CALLS): a session's Verify / Propose as
+    messages of its stream by default, one call each with unary; nothing else is accepted."""
+    parser = argparse.ArgumentParser()
+    add_client_arguments(parser, "target", environ={})
+    add_client_arguments(parser, "draft", environ={"SPECDEC_DRAFT_CYCLE_CALLS": "unary"})
+    args = parser.parse_args(["--target-plaintext", "--draft-plaintext"])
+    assert client_settings_from_args(args, "target", environ={}).cycle_calls == "stream"
+    assert client_settings_from_args(args, "draft", environ={}).cycle_calls == "unary"
+    args = parser.parse_args(["--target-plaintext", "--target-cycle-calls", "unary"])
+    assert client_settings_from_args(args, "target", environ={}).cycle_calls == "unary"
+    with pytest.raises(SystemExit):  # argparse: not among the choices
+        parser.parse_args(["--target-cycle-calls", "auto"])
+    with pytest.raises(ConfigError, match="cycle calls must be one of stream, unary"):
+        ClientSettings(plaintext=True, cycle_calls="sometimes")
+
+
 def test_model_services_take_compile_layers():
     """--compile-layers reaches both model services' settings (and load_model); off by default."""
     from draft_service.main import build_parser as draft_parser, settings_from_args as draft_settings
