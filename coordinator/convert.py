@@ -88,7 +88,7 @@ def stats_to_proto(stats: SpeculationStats, pool: Pool, proposer: str, num_draft
         decode_seconds=stats.decode_seconds, pool=_POOL_TO_PB[pool], proposer=proposer,
         num_draft_tokens=num_draft_tokens, cycle_seconds=stats.cycle_seconds,
         draft_model_seconds=stats.draft_model_seconds, target_model_seconds=stats.target_model_seconds,
-        queued_seconds=stats.queued_seconds, timed_cycles=stats.timed_cycles,
+        hidden_draft_model_seconds=stats.hidden_draft_model_seconds, queued_seconds=stats.queued_seconds, timed_cycles=stats.timed_cycles,
         handler_seconds=stats.handler_seconds, call_seconds=stats.call_seconds,
     )
 

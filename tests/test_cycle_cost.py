@@ -9,7 +9,7 @@ import pytest
 
 from specdec.engine.batcher import Batcher, StepTiming
 from specdec.engine.target_stream import decode_steps
-from specdec.engine.cycle_cost import DRAFT, TARGET, CycleCost, measure_cycle, report_model_time
+from specdec.engine.cycle_cost import DRAFT, TARGET, CycleCost, beside_verify, measure_cycle, report_model_time
 from specdec.generation.loop import LoopObserver, LoopSettings, SpeculativeLoop
 from specdec.generation.stats import SpeculationStats
 from specdec.generation.stopping import StopChecker
@@ -168,3 +168,37 @@ async def test_a_streamed_plain_run_pays_its_round_trip_once_and_accounts_every_
     assert stats.timed_cycles == stats.decode_steps == 5 == len(observer.costs)
     assert stats.target_model_seconds == pytest.approx(5 * 0.004)
     assert observer.costs[0].overhead_s >= 0.003  # the run's one round trip lands in its first token
+
+
+def test_a_pipelined_propose_beside_the_verify_is_off_the_critical_path():
+    """The critical path of a pipelined cycle: the Propose before the verify, then the longer of the
+    verify and the speculative Propose beside it."""
+    cost = CycleCost(wall_s=0.020)
+    cost.add_model_time(DRAFT, 0.004)
+    cost.add_model_time(TARGET, 0.008)
+    cost.add_model_time(DRAFT, 0.005, overlapped=True)  # shorter than the verify: hidden entirely
+    assert (cost.draft_model_s, cost.hidden_draft_model_s) == pytest.approx((0.009, 0.005))
+    assert cost.model_s == pytest.approx(0.012) and cost.overhead_s == pytest.approx(0.008)
+    cost.add_model_time(DRAFT, 0.006, overlapped=True)  # now 0.011 beside 0.008: 0.003 lengthens the cycle
+    assert cost.model_s == pytest.approx(0.004 + 0.011) and cost.overhead_s == pytest.approx(0.005)
+    stats = SpeculationStats()
+    stats.record_cost(cost)
+    assert stats.hidden_draft_model_seconds == pytest.approx(0.008)
+    assert stats.overhead_seconds == pytest.approx(cost.overhead_s)
+
+
+async def test_beside_verify_marks_only_the_concurrent_task_s_calls():
+    async def verify():
+        await asyncio.sleep(0.002)
+        report_model_time(TARGET, 0.008)
+
+    async def speculative_propose():
+        with beside_verify():
+            await asyncio.sleep(0.001)
+            report_model_time(DRAFT, 0.003)
+
+    with measure_cycle() as cost:
+        report_model_time(DRAFT, 0.002)  # the Propose before the verify
+        await asyncio.gather(verify(), speculative_propose())
+        report_model_time(DRAFT, 0.001)  # after: the task's mark did not leak into the loop's context
+    assert (cost.draft_model_s, cost.overlapped_draft_model_s) == pytest.approx((0.006, 0.003))

@@ -14,7 +14,7 @@ from specdec.engine.draft_batch import ProposeWork, run_propose_batch
 from specdec.engine.local import LocalDraft, LocalTarget
 from specdec.engine.target import TargetEngine
 from specdec.errors import EpochMismatch, InvalidArgument, PositionMismatch
-from specdec.generation.loop import LoopObserver, LoopSettings, generate
+from specdec.generation.loop import LoopObserver, LoopSettings
 from specdec.generation.stopping import StopChecker
 from specdec.models.loader import load_model
 from specdec.proposers.draft_model import DraftModelProposer
@@ -245,6 +245,33 @@ def test_pipelined_sampling_is_sequential_sampling(tiny_dirs, kind):
     assert pipelined == sequential
     if kind == "same":
         assert stats.pipeline_hits > 0
+
+
+def test_the_policy_sees_a_pipelined_cycle_s_draft_forwards_and_critical_path(tiny_dirs, monkeypatch):
+    """What the draft-length policy is told of a pipelined cycle: every draft forward the cycle paid
+    for (its own block's unless drafted ahead, the successor's guess and tokens), whether the block
+    was drafted ahead, and an overhead that leaves the Propose beside the verify out."""
+    from specdec.generation.adaptive import DraftLengthPolicy
+
+    seen = []
+    original = DraftLengthPolicy.observe_cycle
+
+    def spy(self, k, num_accepted, draft_s, verify_s, overhead_s=0.0, confidences=(), steady=True, **pipelined):
+        seen.append((k, num_accepted, draft_s, overhead_s, steady, pipelined))
+        return original(self, k, num_accepted, draft_s, verify_s, overhead_s, confidences, steady, **pipelined)
+
+    monkeypatch.setattr(DraftLengthPolicy, "observe_cycle", spy)
+    tokens, stats = run(tiny_dirs["target"], draft_engine("same", tiny_dirs), PROMPTS[0], GREEDY, True,
+                        max_new_tokens=40, k=3)
+    assert stats.pipeline_hits >= stats.cycles - 3 and len(seen) == stats.cycles
+    first, *rest = seen
+    assert first[5] == {"draft_steps": 3 + 1 + 3, "drafted_ahead": False, "beside": True}
+    hits = [c for c in rest if c[5]["drafted_ahead"]]
+    assert len(hits) == stats.pipeline_hits
+    # A hit's block came ahead: its cycle drafted only its successor (the guess and 3 tokens), until
+    # the budget leaves no room for one.
+    assert all(c[5] == {"draft_steps": 4, "drafted_ahead": True, "beside": True} for c in hits[:-3])
+    assert all((c[2] > 0) == (c[5]["draft_steps"] > 0) and c[3] >= 0 for c in seen)
 
 
 class ScriptedProposer(NgramProposer):

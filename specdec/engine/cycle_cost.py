@@ -30,8 +30,11 @@ class CycleCost:
     """One cycle (or, summed, many): wall time, time in each model, time queued in the services."""
 
     wall_s: float = 0.0
-    draft_model_s: float = 0.0
+    draft_model_s: float = 0.0  # every draft call's, a pipelined one's beside the verify included
     target_model_s: float = 0.0
+    # Of draft_model_s: a pipelined cycle's speculative Propose, which ran beside the verify, not
+    # before it (specdec.generation.pipeline); only what outlasts the target's time lengthens the cycle.
+    overlapped_draft_model_s: float = 0.0
     # Where the overhead went, as far as the services tell (0 when they don't):
     queued_s: float = 0.0  # waiting in the services' batchers before a step
     handler_s: float = 0.0  # the services' handlers, request in to response built (model included)
@@ -44,8 +47,15 @@ class CycleCost:
     inner_draft: VerifyOutcome | None = None
 
     @property
+    def hidden_draft_model_s(self) -> float:
+        """Draft model time spent while the target's model ran: not on the cycle's critical path."""
+        return min(self.overlapped_draft_model_s, self.target_model_s)
+
+    @property
     def model_s(self) -> float:
-        return self.draft_model_s + self.target_model_s
+        """Model time on the cycle's critical path: the draft's before the verify, then the longer
+        of the verify and the draft beside it (the sum of both in a sequential cycle)."""
+        return self.draft_model_s + self.target_model_s - self.hidden_draft_model_s
 
     @property
     def overhead_s(self) -> float:
@@ -57,9 +67,11 @@ class CycleCost:
         return self.overhead_s / self.wall_s if self.wall_s > 0 else 0.0
 
     def add_model_time(self, role: str, model_s: float, queued_s: float = 0.0, handler_s: float = 0.0,
-                       call_s: float = 0.0) -> None:
+                       call_s: float = 0.0, overlapped: bool = False) -> None:
         if role == DRAFT:
             self.draft_model_s += model_s
+            if overlapped:
+                self.overlapped_draft_model_s += model_s
         elif role == TARGET:
             self.target_model_s += model_s
         else:
@@ -70,6 +82,7 @@ class CycleCost:
 
 
 _current: ContextVar[CycleCost | None] = ContextVar("specdec_cycle_cost", default=None)
+_beside_verify: ContextVar[bool] = ContextVar("specdec_beside_verify", default=False)
 
 
 def report_model_time(role: str, model_s: float, queued_s: float = 0.0, handler_s: float = 0.0,
@@ -78,7 +91,19 @@ def report_model_time(role: str, model_s: float, queued_s: float = 0.0, handler_
     see CycleCost for the rest."""
     cost = _current.get()
     if cost is not None:
-        cost.add_model_time(role, model_s, queued_s, handler_s, call_s)
+        cost.add_model_time(role, model_s, queued_s, handler_s, call_s, _beside_verify.get())
+
+
+@contextlib.contextmanager
+def beside_verify() -> Iterator[None]:
+    """The enclosed calls run concurrently with the cycle's verify (a pipelined speculative Propose):
+    their draft model time is overlapped. Set inside the concurrent task, so it marks only that
+    task's calls (a task runs in a copy of its creator's context)."""
+    token = _beside_verify.set(True)
+    try:
+        yield
+    finally:
+        _beside_verify.reset(token)
 
 
 def report_draft_limit(num_tokens: int | None) -> None:

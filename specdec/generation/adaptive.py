@@ -32,6 +32,12 @@ model; its sessions decoded 17-21% of their steps plainly):
 - One plain step after the warm-up and one every explore_plain_every cycles measure what plain
   decoding costs now (under concurrency, queueing included) instead of guessing it.
 
+Pipelined cycles (pipeline.py) cost differently: the draft drafts the next block beside the verify,
+so a cycle whose block was drafted ahead (a hit: k accepted and the guessed bonus right) skips the
+Propose before its verify, and the drafting beside it costs only what outlasts the verify. Charging
+them as sequential cycles (the draft's time in full, the speculative Propose's too) made drafting look
+twice as dear and shrank k to ~1.2 on two GPUs, where k = 4 ran 8% faster (BENCHMARKS.md, round 22).
+
 A draft model that reports its confidences also gets a per-block stop (confidence.py): the policy
 then asks for up to max_tokens and a confidence threshold below which the draft stops, so each block
 is as long as that block's own text pays for; best_k's choice only decides whether to speculate.
@@ -84,7 +90,9 @@ class DraftLengthPolicy:
     _passed: list[float] = field(default_factory=list)  # [j]: ... and accepted
     _draft_s: float | None = None  # model seconds per drafted token
     _forward: "ForwardCost" = field(default_factory=lambda: ForwardCost())  # target seconds by tokens fed
-    _speculative_overhead_s: float | None = None  # per speculative cycle, outside the models
+    _speculative_overhead_s: float | None = None  # per speculative cycle that proposed, outside the models
+    _ahead_overhead_s: float | None = None  # per pipelined cycle whose block was drafted ahead (no Propose)
+    _pipelined: bool = False  # the last cycle drafted its successor beside its verify
     _plain_overhead_s: float | None = None  # per plain cycle, outside the model
     _cycles: int = 0
     _since_plain: int = 0  # speculative cycles since the last plain step
@@ -170,13 +178,17 @@ class DraftLengthPolicy:
                 and self._draft_s is not None and self._calibration.blocks >= self.warmup_cycles)
 
     def observe_cycle(self, k: int, num_accepted: int, draft_s: float, verify_s: float,
-                      overhead_s: float = 0.0, confidences: tuple[float, ...] = (), steady: bool = True) -> None:
+                      overhead_s: float = 0.0, confidences: tuple[float, ...] = (), steady: bool = True,
+                      draft_steps: int | None = None, drafted_ahead: bool = False, beside: bool = False) -> None:
         """A speculative cycle: k tokens verified, num_accepted accepted; model seconds of the
-        draft (all k tokens) and of the verify, and the cycle's seconds outside the models;
-        the draft's confidence in each verified token, if it has them. steady=False: the draft first
-        caught up on a prompt or on plainly decoded tokens (a prefill, maybe a StartSession), so its
-        time and the cycle's overhead are not a steady cycle's and are left out of the costs (a
-        long prompt's draft prefill once counted as 20 ms per drafted token and switched sessions off)."""
+        draft (draft_steps drafted tokens, default k) and of the verify, and the cycle's seconds
+        outside the models on its critical path; the draft's confidence in each verified token, if
+        it has them. steady=False: the draft first caught up on a prompt or on plainly decoded
+        tokens (a prefill, maybe a StartSession), so its time and the cycle's overhead are not a
+        steady cycle's and are left out of the costs (a long prompt's draft prefill once counted as
+        20 ms per drafted token and switched sessions off). Pipelining: drafted_ahead, the block was
+        drafted during the previous verify (no Propose before this one); beside, the next block was
+        drafted during this verify."""
         rejected = 1 if num_accepted < k else 0
         was_off, backoff = self._current == 0, self._probe_interval
         self._calibration.observe(tuple(confidences)[:k], num_accepted)
@@ -186,10 +198,14 @@ class DraftLengthPolicy:
         self._trials = self.decay * self._trials + num_accepted + rejected
         self._evidence = self.evidence_decay * self._evidence + num_accepted + rejected
         self._observe_positions(k, num_accepted)
-        if k > 0 and steady:
-            self._draft_s = self._ewma(self._draft_s, draft_s / k)
+        draft_steps = k if draft_steps is None else draft_steps
+        if draft_steps > 0 and steady:
+            self._draft_s = self._ewma(self._draft_s, draft_s / draft_steps)
         self._forward.observe(k + 1, verify_s)
-        if steady:
+        self._pipelined = beside
+        if steady and drafted_ahead:
+            self._ahead_overhead_s = self._ewma(self._ahead_overhead_s, overhead_s)
+        elif steady:
             self._speculative_overhead_s = self._ewma(self._speculative_overhead_s, overhead_s)
         self._cycles += 1
         self._since_plain += 1
@@ -271,14 +287,34 @@ class DraftLengthPolicy:
 
     def _best(self, plain_rate: float, bonus: float) -> tuple[int, float]:
         """(k, tokens per second) of the best draft length, acceptance raised by `bonus`."""
-        speculative_overhead = self._speculative_overhead_s or 0.0
         best_k, best_rate = 0, plain_rate
         for k in range(1, self.max_tokens + 1):
-            cost = k * self._draft_s + self.verify_cost(k + 1) + speculative_overhead
-            rate = self.expected_tokens(k, bonus) / cost
+            rate = self.expected_tokens(k, bonus) / self.cycle_cost(k)
             if rate > best_rate * 1.0001:  # ties go to the shorter draft
                 best_k, best_rate = k, rate
         return best_k, best_rate
+
+    def cycle_cost(self, k: int) -> float:
+        """Expected seconds of a cycle that drafts k tokens. Sequential: draft, then verify, plus the
+        overhead. Pipelined: the successor is drafted (its guess, then k tokens) beside the verify,
+        and with probability hit(k) it is the next block, whose cycle then skips the Propose."""
+        verify = self.verify_cost(k + 1)
+        overhead = self._speculative_overhead_s or 0.0
+        if not self._pipelined:
+            return k * self._draft_s + verify + overhead
+        hit = self.hit_probability(k)
+        ahead_overhead = overhead if self._ahead_overhead_s is None else self._ahead_overhead_s
+        return ((1.0 - hit) * (k * self._draft_s + overhead) + hit * ahead_overhead
+                + max(verify, (k + 1) * self._draft_s))
+
+    def hit_probability(self, k: int) -> float:
+        """P(a block of k is accepted whole and the draft's next token is the target's): a pipelined
+        successor drafted on that guess is then the next block. The guess is judged like a drafted
+        token at position k."""
+        survive = 1.0
+        for j in range(k + 1):
+            survive *= self.position_acceptance(j)
+        return survive
 
     def _optimism(self) -> float:
         """An upper-confidence bonus on the acceptance rate: `optimism` standard errors of a rate

@@ -36,6 +36,20 @@ TokenSink = Callable[[list[int]], Awaitable[None]]
 
 
 @dataclass
+class _CycleCalls:
+    """What one cycle's calls did, for the draft-length policy once the cycle's cost is known."""
+
+    outcome: VerifyOutcome | None  # None: a plain step
+    draft_s: float  # the Propose call before the verify, as the loop timed it (0 if none)
+    target_s: float  # the Verify or Decode call
+    num_proposed: int = 0  # tokens the draft proposed (a loaded target may verify fewer)
+    confidences: tuple[float, ...] = ()
+    draft_steps: int = 0  # draft forwards the cycle paid for (pipelined: its successor's too)
+    drafted_ahead: bool = False  # pipelined: the block was drafted during the previous verify
+    beside: bool = False  # pipelined: the next block was drafted during this verify
+
+
+@dataclass
 class LoopSettings:
     num_draft_tokens: int = 4  # the draft length, or the starting one when adaptive
     retry_draft_after: int = 8  # plain cycles before speculation is tried again after a draft failure
@@ -125,10 +139,8 @@ class SpeculativeLoop:
         self.settings = settings or LoopSettings()
         self.observer = observer or LoopObserver()
         self.policy: DraftLengthPolicy | None = None
-        # (outcome or None for a plain step, draft call seconds, target call seconds) of the cycle
-        # running now, for the policy once the cycle's cost is known.
-        # The proposal's size and its confidences too.
-        self._cycle_calls: tuple[VerifyOutcome | None, float, float, int, tuple[float, ...]] | None = None
+        # What the calls of the cycle running now did, for the policy once the cycle's cost is known.
+        self._cycle_calls: _CycleCalls | None = None
         # The cycle's draft first caught up on a whole prompt or on tokens decoded plainly (a prefill
         # in its Propose, or a StartSession): its draft time and overhead say nothing of a steady cycle.
         self._draft_catching_up = False
@@ -200,17 +212,22 @@ class SpeculativeLoop:
         calls, self._cycle_calls = self._cycle_calls, None
         if self.policy is None or calls is None:
             return
-        outcome, draft_s, target_s, num_proposed, confidences = calls
+        outcome, draft_steps = calls.outcome, calls.draft_steps
         catching_up, self._draft_catching_up = self._draft_catching_up, False
         if cost.target_model_s > 0:
             draft_s, target_s = cost.draft_model_s, cost.target_model_s
-        overhead_s = max(0.0, cost.wall_s - draft_s - target_s)
+            overhead_s = cost.overhead_s  # on the critical path: a pipelined Propose beside the verify is off it
+        else:  # services that report no model time: the calls' walls (a pipelined Propose's is not timed)
+            draft_s, target_s = calls.draft_s, calls.target_s
+            overhead_s = max(0.0, cost.wall_s - draft_s - target_s)
+            draft_steps = 0 if calls.drafted_ahead else calls.num_proposed
         if outcome is None:
             self.policy.observe_plain(target_s, overhead_s, cost.target_draft_limit)
         else:
             self.policy.observe_cycle(outcome.num_drafted, outcome.num_accepted, draft_s, target_s, overhead_s,
-                                      confidences, steady=not catching_up)
-            if outcome.num_drafted < num_proposed:  # the loaded target trimmed the draft
+                                      calls.confidences, steady=not catching_up, draft_steps=draft_steps,
+                                      drafted_ahead=calls.drafted_ahead, beside=calls.beside)
+            if outcome.num_drafted < calls.num_proposed:  # the loaded target trimmed the draft
                 self.policy.limit(outcome.num_drafted)
 
     def _draft_length(self, cursor: SessionCursor, stop: StopChecker, ahead: int = 0) -> int:
@@ -236,10 +253,15 @@ class SpeculativeLoop:
         return self._apply_outcome(cursor, proposal, outcome, stats, drafted_at - started, verified_at - drafted_at)
 
     def _apply_outcome(self, cursor: SessionCursor, proposal, outcome: VerifyOutcome, stats: SpeculationStats,
-                       draft_s: float, verify_s: float) -> list[int]:
-        """Record a verify outcome and commit its tokens to the cursor; return them."""
+                       draft_s: float, verify_s: float, draft_steps: int | None = None,
+                       pipelined: tuple[bool, bool] = (False, False)) -> list[int]:
+        """Record a verify outcome and commit its tokens to the cursor; return them. draft_steps: the
+        draft forwards the cycle paid for (default: the proposal's); pipelined: (the block was drafted
+        ahead, its successor was drafted beside the verify)."""
         stats.record(outcome)
-        self._cycle_calls = (outcome, draft_s, verify_s, proposal.block.num_tokens, proposal.block.confidences)
+        num_proposed = proposal.block.num_tokens
+        self._cycle_calls = _CycleCalls(outcome, draft_s, verify_s, num_proposed, proposal.block.confidences,
+                                        num_proposed if draft_steps is None else draft_steps, *pipelined)
         self.observer.verified(outcome, proposal.proposer)
         new_tokens = proposal.block.token_ids[: outcome.num_accepted].tolist() + [outcome.next_token]
         cursor.tokens.extend(new_tokens)
@@ -324,7 +346,7 @@ class SpeculativeLoop:
         elapsed = time.perf_counter() - started
         stats.decode_seconds += elapsed
         stats.decode_steps += 1
-        self._cycle_calls = (None, 0.0, elapsed, 0, ())
+        self._cycle_calls = _CycleCalls(None, 0.0, elapsed)
         cursor.tokens.extend(new_tokens)
         return new_tokens
 

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 
 from specdec.engine.alternatives import alternatives_for
 from specdec.engine.api import Proposal
+from specdec.engine.cycle_cost import beside_verify
 from specdec.generation.stats import SpeculationStats
 from specdec.generation.stopping import StopChecker
 from specdec.types import VerifyOutcome
@@ -101,6 +102,7 @@ class PipelinedDrafting:
         proposal, self.ready = self.ready, None
         if proposal is not None and proposal.position != cursor.position:
             proposal = None  # something else was committed since (a plain step): the draft must catch up
+        drafted_ahead = proposal is not None
         if proposal is None:
             proposal = await loop._propose_or_fall_back(cursor, k)
             if proposal is None:
@@ -114,8 +116,12 @@ class PipelinedDrafting:
         )
         verified_at = time.perf_counter()
         stats.verify_seconds += verified_at - drafted_at
+        # The draft forwards this cycle paid for: its own block's (none after a hit) and the child's,
+        # one more for the guess (so the policy prices a drafted token, not a verified one).
+        draft_steps = (0 if drafted_ahead else proposal.block.num_tokens) + _child_steps(child)
         new_tokens = loop._apply_outcome(cursor, proposal, outcome, stats, drafted_at - started,
-                                         verified_at - drafted_at)
+                                         verified_at - drafted_at, draft_steps=draft_steps,
+                                         pipelined=(drafted_ahead, child_k > 0))
         if proposal.block.num_tokens:
             whole = float(outcome.num_accepted == proposal.block.num_tokens)
             self.full_accept_rate += FULL_ACCEPT_GAIN * (whole - self.full_accept_rate)
@@ -150,7 +156,7 @@ class PipelinedDrafting:
         """The speculative Propose; a failure only costs this cycle's pipelining (the next ordinary
         Propose names the parent, which the refused or failed call left live)."""
         try:
-            with self.loop.observer.step("propose_speculative"):
+            with self.loop.observer.step("propose_speculative"), beside_verify():
                 alternatives = self.alternatives
                 stop_below = self.loop.policy.stop_below() if self.loop.policy else 0.0
                 return await self.loop.draft.propose(
@@ -180,6 +186,13 @@ class PipelinedDrafting:
         cursor.draft_tokens = cursor.tokens[:before] + parent.block.token_ids.tolist()
         cursor.draft_committed = before
         cursor.draft_epoch = parent.epoch
+
+
+def _child_steps(child: Proposal | None) -> int:
+    """Draft forwards of a speculative Propose: the guess's, then its longest branch's tokens (the
+    branches are drafted in the same batched passes)."""
+    guessed = [branch for branch in ((child, *child.alternatives) if child else ()) if branch.guessed_token_id is not None]
+    return 1 + max(branch.block.num_tokens for branch in guessed) if guessed else 0
 
 
 async def _none() -> None:
