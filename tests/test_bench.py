@@ -38,7 +38,7 @@ def test_bench_runs_end_to_end_and_writes_the_report_and_the_plot(models, tmp_pa
         [sys.executable, "-m", "specdec.cli", "bench", "--target", str(target), "--draft", str(draft),
          "--prompts", str(prompts), "--max-new-tokens", "12", "--threads", "1", "--concurrency", "1,2",
          "--concurrency-prompts", "2", "--timing-repeats", "1", "--k-policy", "fixed:4,2,server",
-         "--no-progress", "--out", str(out),
+         "--draft-arg=--session-ttl=900", "--no-progress", "--out", str(out),
          "--log-dir", str(tmp_path / "logs")],
         cwd=REPO, capture_output=True, text=True, timeout=400, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
@@ -48,6 +48,7 @@ def test_bench_runs_end_to_end_and_writes_the_report_and_the_plot(models, tmp_pa
     for key in ("machine", "code", "models", "dtype", "threads", "prompts", "sampling", "draft_length_policy", "runs"):
         assert key in meta, key
     assert meta["prompts"]["count"] == 2 and meta["code"]["commit"]
+    assert meta["extra_service_flags"]["draft"] == ["--session-ttl=900"]  # every draft service took it
     assert meta["models"]["target"]["parameters"] > 0
     overall = report["batch1"]["overall"]
     assert set(overall) >= {"plain", "plain-inproc", "hf-greedy", "hf-assisted", "hf-pld", "specdec-ngram",
@@ -298,7 +299,7 @@ def test_prompt_lookup_in_the_coordinator_and_in_the_target_and_coordinator_flag
     )
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(out.read_text())
-    assert report["meta"]["extra_service_flags"] == {"target": [], "coordinator": ["--pipelining=on"]}
+    assert report["meta"]["extra_service_flags"] == {"target": [], "draft": [], "coordinator": ["--pipelining=on"]}
     local = report["batch1"]["overall"]["specdec-ngram-local"]
     assert local["lossless_fraction"] == 1.0 and local["cycles"] > 0
     assert local["pipeline_hit_rate"] is not None  # pipelined by the coordinator's flag, not the request

@@ -95,7 +95,8 @@ def assemble(bench: Bench, collected: Collected) -> dict:
                                             "policy (request k = 0); fixed,server: methods named ...@server "
                                             "use the coordinator's policy; fixed:<k>,...: methods named "
                                             "...@k<N> name draft length N"},
-            "extra_service_flags": {"target": list(c.target_args), "coordinator": list(c.coordinator_args)},
+            "extra_service_flags": {"target": list(c.target_args), "draft": list(c.draft_args),
+                                    "coordinator": list(c.coordinator_args)},
             "runs": c.runs, "seed": c.seed,
             "order": "batch 1: per prompt every method once, order rotated from prompt to prompt (base order "
                      "shuffled with the seed); engine step times measured in the same rotation",

@@ -62,6 +62,7 @@ class BenchConfig:
     log_dir: Path | None = None
     extra_env: dict = field(default_factory=dict)
     target_args: tuple[str, ...] = ()  # extra flags for the target service (--target-arg)
+    draft_args: tuple[str, ...] = ()  # extra flags for every draft service (--draft-arg)
     coordinator_args: tuple[str, ...] = ()  # extra flags for every coordinator (--coordinator-arg)
 
 
@@ -120,6 +121,7 @@ class Bench:
                               max_context=c.max_context,
                               num_draft_tokens=c.num_draft_tokens, replay_references=self.references,
                               replay_seed=c.replay_seed, extra_env=dict(c.extra_env), target_args=tuple(c.target_args),
+                              draft_args=tuple(c.draft_args),
                               replay_target_alpha=next((float(m[len(REPLAY_TARGET_PREFIX):]) for m in self.methods
                                                         if m.startswith(REPLAY_TARGET_PREFIX)), None),
                               coordinator_args=tuple(c.coordinator_args),

@@ -34,6 +34,7 @@ class ServiceOptions:
     replay_target_alpha: float | None = None  # the target hosts a replay draft (bench/replay_target.py)
     extra_env: dict = field(default_factory=dict)
     target_args: tuple[str, ...] = ()  # extra flags for the target service
+    draft_args: tuple[str, ...] = ()  # extra flags for every draft service
     coordinator_args: tuple[str, ...] = ()  # extra flags for every coordinator
     # Extra coordinators "<proposer>@branches<N>" with --pipeline-branches N (multi-outcome methods).
     branch_coordinators: tuple[str, ...] = ()
@@ -108,7 +109,8 @@ class Deployment:
             self.proposers = list(proposers)
             self.target = self._spawn("target", module, target_args)
             for name, (module, args) in draft_specs(o, proposers).items():
-                self.drafts[name] = self._spawn("draft", module, ["--host", self.network.host("draft"), *args])
+                self.drafts[name] = self._spawn("draft", module, ["--host", self.network.host("draft"), *args,
+                                                                  *o.draft_args])
             for role, proc in [("target", self.target), *[("draft", p) for p in self.drafts.values()]]:
                 self.network.wait(role, proc, timeout_s)
             self.coordinators = self.add_coordinators(self.network)

@@ -77,6 +77,8 @@ def add_parser(subparsers) -> None:
                              "byte-level random models need more for Spec-Bench's long prompts")
     parser.add_argument("--target-arg", action="append", default=[], metavar="FLAG",
                         help="an extra flag for the target service, repeatable, e.g. --target-arg=--trim-margin=0.2")
+    parser.add_argument("--draft-arg", action="append", default=[], metavar="FLAG",
+                        help="an extra flag for every draft service, repeatable, e.g. --draft-arg=--compile-layers")
     parser.add_argument("--coordinator-arg", action="append", default=[], metavar="FLAG",
                         help="an extra flag for every coordinator, repeatable, e.g. --coordinator-arg=--pipelining=auto")
     parser.add_argument("--cuda-graphs", choices=["on", "off"], default=None,
@@ -129,7 +131,7 @@ def build_config(args: argparse.Namespace):
         max_context=args.max_context,
         timing_repeats=args.timing_repeats, seed=args.seed, log_dir=args.log_dir, replay_alphas=args.replay_alpha,
         replay_seed=args.replay_seed, ignore_eos=args.ignore_eos, floor=args.floor,
-        target_args=tuple(args.target_arg), coordinator_args=tuple(args.coordinator_arg),
+        target_args=tuple(args.target_arg), draft_args=tuple(args.draft_arg), coordinator_args=tuple(args.coordinator_arg),
     )
 
 
