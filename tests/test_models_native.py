@@ -54,11 +54,19 @@ def test_truncate_then_refeed_equals_fresh_prefill(root):
     assert relative_error(got, reference_logits(path, tokens[:17] + other)[17:]) <= TOL
 
 
-@pytest.mark.parametrize("slot_order", ["contiguous", "scattered"])
-def test_mixed_batch_equals_rows_run_alone(root, slot_order):
-    """A prefill, a decode, a k+1 verify and a continued prefill in one forward, at different positions."""
+@pytest.mark.parametrize("slot_order, in_place", [("contiguous", True), ("scattered", True), ("scattered", False)])
+def test_mixed_batch_equals_rows_run_alone(root, slot_order, in_place, monkeypatch):
+    """A prefill, a decode, a k+1 verify and a continued prefill in one forward, at different positions.
+    Scattered slots attend slot by slot in place on a CPU (in_place), or gathered into one tensor (as on
+    a GPU)."""
+    import specdec.models.llama as llama
+
+    attended_in_place = []
+    original = llama._attention_in_place
+    monkeypatch.setattr(llama, "_attention_in_place", lambda *a: attended_in_place.append(1) or original(*a))
     path = tiny_dir(root, "qwen2")
     model = native(path, num_slots=8)
+    model.attend_in_place = in_place
     prefixes = [[], random_tokens(25, seed=2), random_tokens(9, seed=3), random_tokens(40, seed=4)]
     new = [random_tokens(17, seed=5), random_tokens(1, seed=6), random_tokens(6, seed=7), random_tokens(3, seed=8)]
     num_logits = [1, 1, 6, 2]
@@ -68,7 +76,9 @@ def test_mixed_batch_equals_rows_run_alone(root, slot_order):
     for slot_a, slot_b, prefix in zip(batched, alone, prefixes):
         if prefix:
             model.forward([slot_a, slot_b], [prefix, prefix], [0, 0])
+    attended_in_place.clear()
     got = model.forward(batched, new, num_logits)
+    assert bool(attended_in_place) == (in_place and slot_order == "scattered")
     for row, (slot, tokens, k) in enumerate(zip(alone, new, num_logits)):
         want = model.forward([slot], [tokens], [k])[0]
         assert got[row].shape == (k, 256)
