@@ -71,7 +71,8 @@ def main() -> None:
     with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
         for _ in range(5):
             propose(8)
-    print(prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=14, max_name_column_width=40))
+    order = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=order, row_limit=14, max_name_column_width=40))
 
 
 if __name__ == "__main__":

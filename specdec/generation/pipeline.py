@@ -191,8 +191,9 @@ class PipelinedDrafting:
 def _child_steps(child: Proposal | None) -> int:
     """Draft forwards of a speculative Propose: the guess's, then its longest branch's tokens (the
     branches are drafted in the same batched passes)."""
-    guessed = [branch for branch in ((child, *child.alternatives) if child else ()) if branch.guessed_token_id is not None]
-    return 1 + max(branch.block.num_tokens for branch in guessed) if guessed else 0
+    branches = (child, *child.alternatives) if child is not None else ()
+    guessed = [branch.block.num_tokens for branch in branches if branch.guessed_token_id is not None]
+    return 1 + max(guessed) if guessed else 0
 
 
 async def _none() -> None:
