@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from specdec.generation.adaptive import UNTIL_TOLD, DraftLengthPolicy, PipelinedOverheads, expected_tokens
+from specdec.generation.adaptive import UNTIL_TOLD, DraftLengthPolicy, expected_tokens
 
 
 def test_expected_tokens_matches_the_geometric_series():
@@ -342,13 +342,12 @@ def test_coordinator_flags_for_the_draft_length_and_plain_decoding(argv, adaptiv
         settings_from_args(parser.parse_args(base + ["--max-adaptive-draft-tokens", "0"]))
 
 
-def simulate_pipelined(policy, cycles=1500, alpha=0.8, draft_s=0.002, propose_s=0.0025, verify_s=0.0016,
-                       successor_s=0.0025, rest_s=0.0004, plain_s=0.0067, honest=True, seed=0):
-    """Tokens per second of pipelined cycles with two GPUs' costs (round 22: 1B draft 2 ms a token,
-    8B verify 7.6 ms + 0.07 ms a token, a plain step 6.3 + 0.4 ms; each call's round trip apart from
-    its model time), each token accepted with probability alpha, reported to the policy as the loop
-    reports them. honest=False: as the loop did before round 22: every draft forward charged to the
-    verified block, the overhead clamped."""
+def simulate_pipelined(policy, cycles=1500, alpha=0.8, draft_s=0.002, overhead_s=0.0038, ahead_overhead_s=0.0023,
+                       plain_s=0.0067, honest=True, seed=0):
+    """Tokens per second of pipelined cycles with two GPUs' costs (round 21: 1B draft 2 ms a token,
+    8B verify 7.6 ms + 0.07 ms a token, a plain step 6.3 + 0.4 ms), each token accepted with
+    probability alpha, reported to the policy as the loop reports them. honest=False: as the loop
+    did before round 22: every draft forward charged to the verified block, the overhead clamped."""
     rng = random.Random(seed)
     ahead, seconds, tokens = False, 0.0, 0
     for _ in range(cycles):
@@ -357,20 +356,18 @@ def simulate_pipelined(policy, cycles=1500, alpha=0.8, draft_s=0.002, propose_s=
             policy.observe_plain(plain_s - 0.0004, 0.0004)
             seconds, tokens, ahead = seconds + plain_s, tokens + 1, False
             continue
-        before = 0.0 if ahead else k * draft_s  # the Propose's model time before the verify (none after a hit)
+        before = 0.0 if ahead else k * draft_s  # the Propose before the verify (none after a hit)
         beside = (k + 1) * draft_s  # the guess and k tokens, drafted during the verify
         verify = 0.0076 + 0.00007 * (k + 1)
-        phase = max(verify + verify_s, beside + successor_s)  # the two calls side by side
-        wall = (0.0 if ahead else before + propose_s) + phase + rest_s
+        critical = before + max(verify, beside)
+        wall = critical + (ahead_overhead_s if ahead else overhead_s)
         accepted = 0
         while accepted < k and rng.random() < alpha:
             accepted += 1
         hit = accepted == k and rng.random() < alpha  # and the guessed bonus token was the target's
-        critical = before + max(verify, beside)
         if honest:
-            overheads = PipelinedOverheads(ahead, 0.0 if ahead else propose_s, verify_s, successor_s, rest_s)
             policy.observe_cycle(k, accepted, before + beside, verify, wall - critical,
-                                 draft_steps=(0 if ahead else k) + k + 1, pipelined=overheads)
+                                 draft_steps=(0 if ahead else k) + k + 1, drafted_ahead=ahead, beside=True)
         else:
             policy.observe_cycle(k, accepted, before + beside, verify, max(0.0, wall - before - beside - verify))
         seconds, tokens, ahead = seconds + wall, tokens + accepted + 1, hit
@@ -378,13 +375,12 @@ def simulate_pipelined(policy, cycles=1500, alpha=0.8, draft_s=0.002, propose_s=
 
 
 def test_pipelined_cycles_are_priced_with_their_hits():
-    """A pipelined hit skips the Propose, and the verify phase lasts as long as the longer of the
-    Verify call and the Propose beside it. Priced so, the adaptive length comes within a few percent
-    of the best fixed one (k = 2 here, as on the GPUs); priced as sequential cycles it drafted ~1 token
-    and lost to every fixed k from 2 to 5 (two GPUs: 1.05x against k = 4's 1.14x)."""
+    """A pipelined hit skips the Propose and hides the drafting behind the verify. Priced so, the
+    adaptive length comes within a few percent of the best fixed one; priced as sequential cycles it
+    drafted ~1 token and lost to every fixed k from 2 to 5 (two GPUs: 1.05x against k = 4's 1.14x)."""
     fixed = {k: simulate_pipelined(DraftLengthPolicy(k, k, adapt=False)) for k in range(1, 9)}
     best = max(fixed.values())
-    assert max(fixed, key=fixed.get) in (2, 3)
+    assert max(fixed, key=fixed.get) in (2, 3, 4)
     adaptive = simulate_pipelined(DraftLengthPolicy(4, 8, confidence_stop=False))
     assert adaptive >= 0.97 * best
     naive = simulate_pipelined(DraftLengthPolicy(4, 8, confidence_stop=False), honest=False)
@@ -393,17 +389,11 @@ def test_pipelined_cycles_are_priced_with_their_hits():
 
 def test_a_hit_is_a_whole_block_accepted_and_the_guess_right():
     policy = DraftLengthPolicy(initial=4, max_tokens=8, prior_trials=0.01)
-    overheads = PipelinedOverheads(False, 0.002, 0.0015, 0.002, 0.0005)
     for _ in range(30):  # 3 of 4 accepted, each cycle: positions 0-2 always, position 3 never
-        policy.observe_cycle(4, 3, 0.008, 0.008, 0.003, draft_steps=9, pipelined=overheads)
+        policy.observe_cycle(4, 3, 0.008, 0.008, 0.003, draft_steps=9, drafted_ahead=False, beside=True)
     # A block of 2 is accepted whole and its guess (judged as position 2) right; one of 3 never is.
     assert policy.hit_probability(2) > 0.95 and policy.hit_probability(3) < 0.05
-    # k = 2: always drafted ahead, so no Propose before the verify; the verify phase is the longer call.
-    draft_s = 0.008 / 9
-    assert policy.cycle_cost(2) == pytest.approx(
-        (1 - policy.hit_probability(2)) * (2 * draft_s + 0.002)
-        + max(policy.verify_cost(3) + 0.0015, 3 * draft_s + 0.002) + 0.0005, rel=0.01)
     # Sequential and pipelined prices of the same measurements: the pipelined one is cheaper.
-    pipelined = policy.cycle_cost(2)
+    pipelined = policy.cycle_cost(4)
     policy.observe_cycle(4, 3, 0.008, 0.008, 0.003, draft_steps=4)  # a sequential cycle (gate closed)
-    assert policy.cycle_cost(2) > pipelined
+    assert policy.cycle_cost(4) > pipelined

@@ -265,17 +265,12 @@ def test_the_policy_sees_a_pipelined_cycle_s_draft_forwards_and_critical_path(ti
                         max_new_tokens=40, k=3)
     assert stats.pipeline_hits >= stats.cycles - 3 and len(seen) == stats.cycles
     first, *rest = seen
-    assert first[5]["draft_steps"] == 3 + 1 + 3  # its own block, then the successor's guess and block
-    assert not first[5]["pipelined"].drafted_ahead and first[5]["pipelined"].successor_s is not None
-    hits = [c for c in rest if c[5]["pipelined"].drafted_ahead]
+    assert first[5] == {"draft_steps": 3 + 1 + 3, "drafted_ahead": False, "beside": True}
+    hits = [c for c in rest if c[5]["drafted_ahead"]]
     assert len(hits) == stats.pipeline_hits
     # A hit's block came ahead: its cycle drafted only its successor (the guess and 3 tokens), until
-    # the budget leaves no room for one; no Propose came before its verify.
-    assert all(c[5]["draft_steps"] == 4 and c[5]["pipelined"].propose_s == 0.0 for c in hits[:-3])
-    for c in seen:  # every phase's time outside the models, never negative
-        overheads = c[5]["pipelined"]
-        assert min(overheads.propose_s, overheads.verify_s, overheads.rest_s) >= 0.0
-        assert overheads.successor_s is None or overheads.successor_s >= 0.0
+    # the budget leaves no room for one.
+    assert all(c[5] == {"draft_steps": 4, "drafted_ahead": True, "beside": True} for c in hits[:-3])
     assert all((c[2] > 0) == (c[5]["draft_steps"] > 0) and c[3] >= 0 for c in seen)
 
 

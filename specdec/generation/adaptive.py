@@ -34,11 +34,9 @@ model; its sessions decoded 17-21% of their steps plainly):
 
 Pipelined cycles (pipeline.py) cost differently: the draft drafts the next block beside the verify,
 so a cycle whose block was drafted ahead (a hit: k accepted and the guessed bonus right) skips the
-Propose before its verify, and the verify phase lasts as long as the longer of the Verify call and the
-Propose beside it. Charging them as sequential cycles (the draft's time in full, the speculative
-Propose's too) made drafting look twice as dear and shrank k to ~1.2 on two GPUs, where k = 4 ran 8%
-faster; pricing the drafting beside the verify by model times alone, without that call's own round
-trip, let it grow past the Verify call unseen (BENCHMARKS.md, round 22).
+Propose before its verify, and the drafting beside it costs only what outlasts the verify. Charging
+them as sequential cycles (the draft's time in full, the speculative Propose's too) made drafting look
+twice as dear and shrank k to ~1.2 on two GPUs, where k = 4 ran 8% faster (BENCHMARKS.md, round 22).
 
 A draft model that reports its confidences also gets a per-block stop (confidence.py): the policy
 then asks for up to max_tokens and a confidence threshold below which the draft stops, so each block
@@ -64,18 +62,6 @@ def expected_tokens(acceptance: float, k: int) -> float:
     if acceptance >= 1.0:
         return float(k + 1)
     return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
-
-
-@dataclass(frozen=True)
-class PipelinedOverheads:
-    """A pipelined cycle's time outside the models, by phase: the loop's timing of each call less the
-    model time its service reported."""
-
-    drafted_ahead: bool  # its block was drafted during the previous verify: no Propose before this one
-    propose_s: float  # the Propose call before the verify (0 when drafted ahead)
-    verify_s: float  # the Verify call
-    successor_s: float | None  # the Propose beside the verify, drafting the next block (None: none made)
-    rest_s: float  # the cycle outside its calls: the loop's own work
 
 
 @dataclass
@@ -105,13 +91,8 @@ class DraftLengthPolicy:
     _draft_s: float | None = None  # model seconds per drafted token
     _forward: "ForwardCost" = field(default_factory=lambda: ForwardCost())  # target seconds by tokens fed
     _speculative_overhead_s: float | None = None  # per speculative cycle that proposed, outside the models
-    # Pipelined cycles' overheads by phase (PipelinedOverheads), and whether the last cycle drafted its
-    # successor beside its verify (it is then priced as a pipelined one).
-    _pipe_propose_s: float | None = None
-    _pipe_verify_s: float | None = None
-    _pipe_successor_s: float | None = None
-    _pipe_rest_s: float | None = None
-    _pipelined: bool = False
+    _ahead_overhead_s: float | None = None  # per pipelined cycle whose block was drafted ahead (no Propose)
+    _pipelined: bool = False  # the last cycle drafted its successor beside its verify
     _plain_overhead_s: float | None = None  # per plain cycle, outside the model
     _cycles: int = 0
     _since_plain: int = 0  # speculative cycles since the last plain step
@@ -198,15 +179,16 @@ class DraftLengthPolicy:
 
     def observe_cycle(self, k: int, num_accepted: int, draft_s: float, verify_s: float,
                       overhead_s: float = 0.0, confidences: tuple[float, ...] = (), steady: bool = True,
-                      draft_steps: int | None = None, pipelined: PipelinedOverheads | None = None) -> None:
+                      draft_steps: int | None = None, drafted_ahead: bool = False, beside: bool = False) -> None:
         """A speculative cycle: k tokens verified, num_accepted accepted; model seconds of the
         draft (draft_steps drafted tokens, default k) and of the verify, and the cycle's seconds
         outside the models on its critical path; the draft's confidence in each verified token, if
         it has them. steady=False: the draft first caught up on a prompt or on plainly decoded
         tokens (a prefill, maybe a StartSession), so its time and the cycle's overhead are not a
         steady cycle's and are left out of the costs (a long prompt's draft prefill once counted as
-        20 ms per drafted token and switched sessions off). pipelined: a pipelined cycle's overheads
-        by phase."""
+        20 ms per drafted token and switched sessions off). Pipelining: drafted_ahead, the block was
+        drafted during the previous verify (no Propose before this one); beside, the next block was
+        drafted during this verify."""
         rejected = 1 if num_accepted < k else 0
         was_off, backoff = self._current == 0, self._probe_interval
         self._calibration.observe(tuple(confidences)[:k], num_accepted)
@@ -220,11 +202,11 @@ class DraftLengthPolicy:
         if draft_steps > 0 and steady:
             self._draft_s = self._ewma(self._draft_s, draft_s / draft_steps)
         self._forward.observe(k + 1, verify_s)
-        self._pipelined = pipelined is not None and pipelined.successor_s is not None
-        if steady:
+        self._pipelined = beside
+        if steady and drafted_ahead:
+            self._ahead_overhead_s = self._ewma(self._ahead_overhead_s, overhead_s)
+        elif steady:
             self._speculative_overhead_s = self._ewma(self._speculative_overhead_s, overhead_s)
-        if steady and pipelined is not None:
-            self._observe_pipelined(pipelined)
         self._cycles += 1
         self._since_plain += 1
         if not self.adapt:
@@ -314,23 +296,16 @@ class DraftLengthPolicy:
 
     def cycle_cost(self, k: int) -> float:
         """Expected seconds of a cycle that drafts k tokens. Sequential: draft, then verify, plus the
-        overhead. Pipelined: with probability hit(k) the block was drafted ahead and no Propose comes
-        before the verify; then the Verify call and the Propose of the successor (its guess and k
-        tokens) side by side, each with its own round trip; then the loop's own work."""
+        overhead. Pipelined: the successor is drafted (its guess, then k tokens) beside the verify,
+        and with probability hit(k) it is the next block, whose cycle then skips the Propose."""
         verify = self.verify_cost(k + 1)
+        overhead = self._speculative_overhead_s or 0.0
         if not self._pipelined:
-            return k * self._draft_s + verify + (self._speculative_overhead_s or 0.0)
-        propose = k * self._draft_s + (self._pipe_propose_s or 0.0)
-        beside = max(verify + (self._pipe_verify_s or 0.0), (k + 1) * self._draft_s + (self._pipe_successor_s or 0.0))
-        return (1.0 - self.hit_probability(k)) * propose + beside + (self._pipe_rest_s or 0.0)
-
-    def _observe_pipelined(self, cycle: PipelinedOverheads) -> None:
-        if not cycle.drafted_ahead:
-            self._pipe_propose_s = self._ewma(self._pipe_propose_s, cycle.propose_s)
-        self._pipe_verify_s = self._ewma(self._pipe_verify_s, cycle.verify_s)
-        if cycle.successor_s is not None:
-            self._pipe_successor_s = self._ewma(self._pipe_successor_s, cycle.successor_s)
-        self._pipe_rest_s = self._ewma(self._pipe_rest_s, cycle.rest_s)
+            return k * self._draft_s + verify + overhead
+        hit = self.hit_probability(k)
+        ahead_overhead = overhead if self._ahead_overhead_s is None else self._ahead_overhead_s
+        return ((1.0 - hit) * (k * self._draft_s + overhead) + hit * ahead_overhead
+                + max(verify, (k + 1) * self._draft_s))
 
     def hit_probability(self, k: int) -> float:
         """P(a block of k is accepted whole and the draft's next token is the target's): a pipelined

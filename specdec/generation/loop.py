@@ -23,7 +23,7 @@ from specdec.engine.cycle_cost import CycleCost, measure_cycle
 from specdec.engine.inner_draft import PROPOSERS as INNER_PROPOSERS
 from specdec.errors import ServiceUnavailable, SessionNotFound
 from specdec.generation.adaptive import DraftLengthPolicy
-from specdec.generation.pipeline import PipelinedCalls, PipelinedDrafting
+from specdec.generation.pipeline import PipelinedDrafting
 from specdec.generation.plain_runs import PlainRuns
 from specdec.generation.stats import SpeculationStats
 from specdec.generation.stopping import FinishReason, StopChecker
@@ -45,7 +45,8 @@ class _CycleCalls:
     num_proposed: int = 0  # tokens the draft proposed (a loaded target may verify fewer)
     confidences: tuple[float, ...] = ()
     draft_steps: int = 0  # draft forwards the cycle paid for (pipelined: its successor's too)
-    pipelined: PipelinedCalls | None = None  # a pipelined cycle's calls, timed one by one
+    drafted_ahead: bool = False  # pipelined: the block was drafted during the previous verify
+    beside: bool = False  # pipelined: the next block was drafted during this verify
 
 
 @dataclass
@@ -213,21 +214,19 @@ class SpeculativeLoop:
             return
         outcome, draft_steps = calls.outcome, calls.draft_steps
         catching_up, self._draft_catching_up = self._draft_catching_up, False
-        pipelined = None
         if cost.target_model_s > 0:
             draft_s, target_s = cost.draft_model_s, cost.target_model_s
             overhead_s = cost.overhead_s  # on the critical path: a pipelined Propose beside the verify is off it
-            pipelined = calls.pipelined.overheads(cost) if calls.pipelined else None
-        else:  # services that report no model time: the calls' walls, priced as sequential cycles
+        else:  # services that report no model time: the calls' walls (a pipelined Propose's is not timed)
             draft_s, target_s = calls.draft_s, calls.target_s
             overhead_s = max(0.0, cost.wall_s - draft_s - target_s)
-            draft_steps = 0 if calls.pipelined and calls.pipelined.drafted_ahead else calls.num_proposed
+            draft_steps = 0 if calls.drafted_ahead else calls.num_proposed
         if outcome is None:
             self.policy.observe_plain(target_s, overhead_s, cost.target_draft_limit)
         else:
             self.policy.observe_cycle(outcome.num_drafted, outcome.num_accepted, draft_s, target_s, overhead_s,
                                       calls.confidences, steady=not catching_up, draft_steps=draft_steps,
-                                      pipelined=pipelined)
+                                      drafted_ahead=calls.drafted_ahead, beside=calls.beside)
             if outcome.num_drafted < calls.num_proposed:  # the loaded target trimmed the draft
                 self.policy.limit(outcome.num_drafted)
 
@@ -255,13 +254,14 @@ class SpeculativeLoop:
 
     def _apply_outcome(self, cursor: SessionCursor, proposal, outcome: VerifyOutcome, stats: SpeculationStats,
                        draft_s: float, verify_s: float, draft_steps: int | None = None,
-                       pipelined: PipelinedCalls | None = None) -> list[int]:
+                       pipelined: tuple[bool, bool] = (False, False)) -> list[int]:
         """Record a verify outcome and commit its tokens to the cursor; return them. draft_steps: the
-        draft forwards the cycle paid for (default: the proposal's); pipelined: a pipelined cycle's calls."""
+        draft forwards the cycle paid for (default: the proposal's); pipelined: (the block was drafted
+        ahead, its successor was drafted beside the verify)."""
         stats.record(outcome)
         num_proposed = proposal.block.num_tokens
         self._cycle_calls = _CycleCalls(outcome, draft_s, verify_s, num_proposed, proposal.block.confidences,
-                                        num_proposed if draft_steps is None else draft_steps, pipelined)
+                                        num_proposed if draft_steps is None else draft_steps, *pipelined)
         self.observer.verified(outcome, proposal.proposer)
         new_tokens = proposal.block.token_ids[: outcome.num_accepted].tolist() + [outcome.next_token]
         cursor.tokens.extend(new_tokens)

@@ -30,13 +30,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Awaitable, TypeVar
+from typing import TYPE_CHECKING
 
 from specdec.engine.alternatives import alternatives_for
 from specdec.engine.api import Proposal
-from specdec.engine.cycle_cost import CycleCost, beside_verify
-from specdec.generation.adaptive import PipelinedOverheads
+from specdec.engine.cycle_cost import beside_verify
 from specdec.generation.stats import SpeculationStats
 from specdec.generation.stopping import StopChecker
 from specdec.types import VerifyOutcome
@@ -47,27 +45,6 @@ if TYPE_CHECKING:  # the loop imports this module; the type alone goes the other
 log = logging.getLogger(__name__)
 
 FULL_ACCEPT_GAIN = 0.1  # weight of the newest cycle in the full-acceptance average (about the last 10)
-T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class PipelinedCalls:
-    """A pipelined cycle's calls as the loop timed them, in seconds."""
-
-    drafted_ahead: bool  # the block was drafted during the previous verify: no Propose before this one
-    propose_s: float  # the Propose before the verify (0 when drafted ahead)
-    verify_s: float
-    successor_s: float | None  # the speculative Propose beside the verify (None: none was made)
-
-    def overheads(self, cost: CycleCost) -> PipelinedOverheads:
-        """Each call's time outside its model, from the model times the services reported."""
-        successor_model = cost.overlapped_draft_model_s
-        phase = max(self.verify_s, self.successor_s or 0.0)
-        return PipelinedOverheads(
-            self.drafted_ahead, max(0.0, self.propose_s - (cost.draft_model_s - successor_model)),
-            max(0.0, self.verify_s - cost.target_model_s),
-            None if self.successor_s is None else max(0.0, self.successor_s - successor_model),
-            max(0.0, cost.wall_s - self.propose_s - phase))
 
 
 def matching_branch(parent: Proposal, outcome: VerifyOutcome, child: Proposal | None) -> Proposal | None:
@@ -133,18 +110,18 @@ class PipelinedDrafting:
         drafted_at = time.perf_counter()
         stats.draft_seconds += drafted_at - started
         child_k = self._child_length(cursor, stop, proposal)
-        (outcome, verify_s), (child, successor_s) = await asyncio.gather(
-            _timed(self._verify(cursor, proposal)),
-            _timed(self._propose_child(cursor, proposal, child_k)) if child_k > 0 else _none(),
+        outcome, child = await asyncio.gather(
+            self._verify(cursor, proposal),
+            self._propose_child(cursor, proposal, child_k) if child_k > 0 else _none(),
         )
         verified_at = time.perf_counter()
         stats.verify_seconds += verified_at - drafted_at
         # The draft forwards this cycle paid for: its own block's (none after a hit) and the child's,
         # one more for the guess (so the policy prices a drafted token, not a verified one).
         draft_steps = (0 if drafted_ahead else proposal.block.num_tokens) + _child_steps(child)
-        calls = PipelinedCalls(drafted_ahead, 0.0 if drafted_ahead else drafted_at - started, verify_s, successor_s)
         new_tokens = loop._apply_outcome(cursor, proposal, outcome, stats, drafted_at - started,
-                                         verified_at - drafted_at, draft_steps=draft_steps, pipelined=calls)
+                                         verified_at - drafted_at, draft_steps=draft_steps,
+                                         pipelined=(drafted_ahead, child_k > 0))
         if proposal.block.num_tokens:
             whole = float(outcome.num_accepted == proposal.block.num_tokens)
             self.full_accept_rate += FULL_ACCEPT_GAIN * (whole - self.full_accept_rate)
@@ -219,11 +196,5 @@ def _child_steps(child: Proposal | None) -> int:
     return 1 + max(guessed) if guessed else 0
 
 
-async def _timed(call: Awaitable[T]) -> tuple[T, float]:
-    started = time.perf_counter()
-    result = await call
-    return result, time.perf_counter() - started
-
-
-async def _none() -> tuple[None, None]:
-    return None, None
+async def _none() -> None:
+    return None
