@@ -96,7 +96,8 @@ def build(settings: CoordinatorSettings, *, tracer_provider=None, registry=None,
                           min(settings.max_adaptive_draft_tokens, settings.limits.max_draft_tokens),
                           settings.pipelining,
                           settings.pipelining_min_full_accept, settings.pipeline_branches,
-                          plain_streaming=settings.plain_streaming, inner_draft=settings.inner_draft),
+                          plain_streaming=settings.plain_streaming, inner_draft=settings.inner_draft,
+                          adaptive_warm_start=settings.adaptive_warm_start),
     )
     sessions = SessionManager(store, router, prompts, telemetry, settings.limits, config, status_name)
     canary = None

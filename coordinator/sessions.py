@@ -17,6 +17,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
 from specdec.errors import InvalidArgument, SessionNotFound
+from specdec.generation.shared_estimates import SharedEstimatesByRoute
 from specdec.generation.stopping import FinishReason
 from specdec.observability import spans
 from specdec.store import SessionRecord, SessionStatus, SessionStore
@@ -67,6 +68,7 @@ class SessionManager:
         self.status_name = status_name  # an error -> the status code name the client sees (metrics)
         self.claims = Claims(store, router, prompts, config.default_pool)
         self._turns: dict[str, Turn] = {}  # turns running in this process, by session id
+        self.estimates = SharedEstimatesByRoute()  # what adaptive turns measured, per route
 
     # ---- Generate --------------------------------------------------------------------------
 
@@ -151,7 +153,7 @@ class SessionManager:
         return Opened(stream, turn, replay, 0)
 
     def _turn_args(self, claim):
-        return claim.plan, claim.stop, self.store, self.router, self.telemetry, self.config.turn
+        return claim.plan, claim.stop, self.store, self.router, self.telemetry, self.config.turn, self.estimates
 
     def _draft_length(self, turn_record) -> int:
         if not turn_record.speculate:

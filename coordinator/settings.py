@@ -59,6 +59,8 @@ class CoordinatorSettings:
     default_pool: Pool = Pool.SPECULATIVE
     num_draft_tokens: int = 4
     adaptive_draft_length: bool = True
+    # An adaptive length starts from what earlier turns on its route measured (shared_estimates.py).
+    adaptive_warm_start: bool = True
     # The longest draft the adaptive policy may choose. 8: a verify of 8 drafted tokens is the longest
     # the target's CUDA graphs cover (specdec/models/cuda_graphs.py); longer ones run eagerly.
     max_adaptive_draft_tokens: int = 8
@@ -158,6 +160,10 @@ def add_arguments(parser: argparse.ArgumentParser, environ=os.environ) -> None:
                    help="pipelined cycles: branches the draft drafts per speculative block, for that many "
                         "verify outcomes: 1 all accepted with the draft's own bonus guess; 2 also a second "
                         "bonus guess; 3 also all but the last token accepted (docs/PIPELINING.md)")
+    g.add_argument("--adaptive-warm-start", choices=["on", "off"], default="on",
+                   help="on: a turn's adaptive draft length starts from what earlier turns to the same target and "
+                        "draft measured (costs, acceptance per position, confidence calibration), adapting from "
+                        "its first cycle; off: every turn starts at --num-draft-tokens and learns from nothing")
     g.add_argument("--max-adaptive-draft-tokens", type=int, default=8,
                    help="the longest draft the adaptive draft length may choose (capped by --max-draft-tokens); 8 "
                         "keeps every verify inside the target's CUDA graphs, which cover 8 drafted tokens")
@@ -196,6 +202,7 @@ def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
         tokenizer=args.tokenizer, redis_url=args.redis_url, targets=tuple(args.target), drafts=tuple(args.draft),
         redis_prefix=args.redis_prefix, default_pool=Pool(args.default_pool),
         num_draft_tokens=args.num_draft_tokens, adaptive_draft_length=args.draft_length == "adaptive",
+        adaptive_warm_start=args.adaptive_warm_start == "on",
         max_adaptive_draft_tokens=args.max_adaptive_draft_tokens,
         retry_draft_after=args.retry_draft_after, pipelining=args.pipelining != "off",
         pipelining_min_full_accept=args.pipelining_min_full_accept if args.pipelining == "auto" else 0.0,

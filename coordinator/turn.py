@@ -20,6 +20,7 @@ from specdec.engine.api import InnerDraft
 from specdec.engine.cycle_cost import measure_cycle
 from specdec.errors import SessionNotFound, SpecDecError
 from specdec.generation.loop import GenerationResult, LoopSettings, SessionCursor, SpeculativeLoop
+from specdec.generation.shared_estimates import SharedEstimates, SharedEstimatesByRoute
 from specdec.generation.stats import SpeculationStats
 from specdec.generation.stopping import FinishReason, StopChecker
 from specdec.sampling.params import SamplingParams
@@ -74,6 +75,7 @@ class TurnSettings:
     pipeline_branches: int = 1  # --pipeline-branches
     plain_streaming: bool = True  # --plain-decoding
     inner_draft: str = ""  # --draft target:ngram / target:model: speculative turns draft inside the target
+    adaptive_warm_start: bool = True  # --adaptive-warm-start
 
 
 @dataclass(frozen=True)
@@ -118,8 +120,9 @@ class Failed:
 
 class Turn:
     def __init__(self, plan: TurnPlan, stop: TurnStop, store: SessionStore, router: Router,
-                 telemetry: Telemetry, settings: TurnSettings):
+                 telemetry: Telemetry, settings: TurnSettings, estimates: SharedEstimatesByRoute | None = None):
         self.plan, self.stop, self.store, self.router, self.settings = plan, stop, store, router, settings
+        self.estimates = estimates  # the coordinator's, for an adaptive length's warm start
         self.queue: asyncio.Queue = asyncio.Queue()  # bounded by the turn's token budget
         self.done = asyncio.Event()
         self.recorder = Recorder(store, plan.session_id, plan.version, len(plan.tokens), settings.heartbeat_s)
@@ -203,9 +206,17 @@ class Turn:
                                      pipelining=pipelining, pipeline_min_full_accept=gate,
                                      pipeline_branches=self.settings.pipeline_branches,
                                      stream_plain=self.settings.plain_streaming,
-                                     inner_draft=self._inner_draft())
+                                     inner_draft=self._inner_draft(),
+                                     shared_estimates=self._shared_estimates(adaptive, pipelining))
         loop = SpeculativeLoop(self.target, self.draft, loop_settings, self.observer)
         return await loop.run(self.cursor, self.stop, self._emit)
+
+    def _shared_estimates(self, adaptive: bool, pipelined: bool) -> SharedEstimates | None:
+        """Earlier turns' estimates on this turn's route, for an adaptive length through a draft."""
+        if not (adaptive and self.settings.adaptive_warm_start and self.estimates is not None
+                and self.plan.draft_endpoint is not None):
+            return None
+        return self.estimates.route(self.plan.target_endpoint, self.plan.draft_endpoint, pipelined)
 
     def _inner_draft(self) -> InnerDraft | None:
         """A speculative turn's drafts inside the target under --draft target:ngram / target:model:

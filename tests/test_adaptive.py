@@ -320,11 +320,12 @@ def test_a_session_the_target_refuses_at_its_start_decodes_plainly_until_told_ot
         assert policy.next_k() == 4  # 41 plain steps: the probe is overdue
 
 
-@pytest.mark.parametrize("argv, adaptive_max, plain_streaming", [
-    ([], 8, True),
-    (["--max-adaptive-draft-tokens", "12", "--plain-decoding", "calls"], 12, False),
+@pytest.mark.parametrize("argv, adaptive_max, plain_streaming, warm_start", [
+    ([], 8, True, True),
+    (["--max-adaptive-draft-tokens", "12", "--plain-decoding", "calls", "--adaptive-warm-start", "off"], 12, False,
+     False),
 ])
-def test_coordinator_flags_for_the_draft_length_and_plain_decoding(argv, adaptive_max, plain_streaming):
+def test_coordinator_flags_for_the_draft_length_and_plain_decoding(argv, adaptive_max, plain_streaming, warm_start):
     """The adaptive policy stays within 8 drafted tokens by default (the target's CUDA graphs cover a
     verify of 8: GPU runs with drafts of up to 16 ran their longer verifies eagerly); plain runs stream
     unless --plain-decoding calls."""
@@ -338,6 +339,7 @@ def test_coordinator_flags_for_the_draft_length_and_plain_decoding(argv, adaptiv
     base = ["--plaintext", "--tokenizer", "t", "--redis-url", "redis://x", "--target-plaintext", "--draft-plaintext"]
     settings = settings_from_args(parser.parse_args(base + argv))
     assert (settings.max_adaptive_draft_tokens, settings.plain_streaming) == (adaptive_max, plain_streaming)
+    assert settings.adaptive_warm_start is warm_start
     with pytest.raises(ConfigError, match="--max-adaptive-draft-tokens must be >= 1"):
         settings_from_args(parser.parse_args(base + ["--max-adaptive-draft-tokens", "0"]))
 

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 
 from specdec.generation.confidence import ConfidenceCalibration
 from specdec.generation.forward_cost import ForwardCost
+from specdec.generation.shared_estimates import PolicyEstimates
 
 
 UNTIL_TOLD = 1 << 20  # a plain run's length while the target refuses drafts: the loop caps it at the budget
@@ -82,6 +83,11 @@ class DraftLengthPolicy:
     # shortens it, for probe_every cycles at a time (see limit()).
     adapt: bool = True
     confidence_stop: bool = True  # adaptive only: stop each draft by its confidence (confidence.py)
+    # How much earlier turns' estimates weigh in warm_start(), in the units each estimate counts.
+    warm_forwards: float = 8.0  # target forwards (its own weigh 1 each, fading 0.95 per forward)
+    warm_cycles: float = 3.0  # cycles' worth of acceptance per draft position
+    warm_trials: float = 6.0  # acceptance tests, for the overall rate and its evidence
+    warm_confidences: float = 40.0  # drafted tokens' confidences
     # Running estimates (exponentially weighted).
     _accepted: float = 0.0  # accepted draft tokens
     _trials: float = 0.0  # acceptance tests: accepted tokens + rejections
@@ -115,6 +121,11 @@ class DraftLengthPolicy:
         # Each cycle runs acceptance tests until the first rejection: accepted / trials estimates
         # the per-token acceptance rate without the bias of counting only accepted tokens.
         return (self._accepted + self.prior_trials * self.prior_acceptance) / (self._trials + self.prior_trials)
+
+    @property
+    def cycles(self) -> int:
+        """Speculative cycles observed (a warm start counts as warmup_cycles of them)."""
+        return self._cycles
 
     def position_acceptance(self, j: int) -> float:
         """P(draft token j is accepted | tokens 0..j-1 were), shrunk toward the overall rate."""
@@ -338,6 +349,45 @@ class DraftLengthPolicy:
         if overhead is None:
             overhead = self._speculative_overhead_s or 0.0
         return step + overhead
+
+    def estimates(self) -> PolicyEstimates:
+        """What this policy measured, for the next turns on its route (shared_estimates.py)."""
+        cycles = self._tested[0] if self._tested else 0.0
+        weight, survived = self._calibration.shares()
+        return PolicyEstimates(
+            draft_s=self._draft_s, forward_moments=self._forward.moments(),
+            speculative_overhead_s=self._speculative_overhead_s, ahead_overhead_s=self._ahead_overhead_s,
+            plain_overhead_s=self._plain_overhead_s, pipelined=self._pipelined,
+            acceptance=self._accepted / self._trials if self._trials > 0 else None,
+            tested=tuple(t / cycles for t in self._tested) if cycles > 0 else (),
+            passed=tuple(p / cycles for p in self._passed) if cycles > 0 else (),
+            calibration_weight=weight, calibration_survived=survived,
+        )
+
+    def warm_start(self, estimates: PolicyEstimates) -> None:
+        """Start from earlier turns' estimates: their costs as a few measurements, their acceptance
+        as a few cycles (warm_*), at the length they make best, adapting from the first cycle
+        instead of after warmup_cycles at `initial`. Nothing happens before a turn measured a draft."""
+        e = estimates
+        if not self.adapt or e.draft_s is None or e.forward_moments is None:
+            return
+        self._draft_s = e.draft_s
+        self._forward.start_from(e.forward_moments, self.warm_forwards)
+        self._speculative_overhead_s, self._ahead_overhead_s = e.speculative_overhead_s, e.ahead_overhead_s
+        self._plain_overhead_s, self._plain_seen = e.plain_overhead_s, e.plain_overhead_s is not None
+        self._pipelined = e.pipelined
+        if e.acceptance is not None:
+            self._accepted, self._trials = self.warm_trials * e.acceptance, self.warm_trials
+            self._evidence = self.warm_trials
+        self._tested = [self.warm_cycles * t for t in e.tested]
+        self._passed = [self.warm_cycles * p for p in e.passed]
+        self._calibration.start_from(e.calibration_weight, e.calibration_survived, self.warm_confidences,
+                                     self.warmup_cycles)
+        self._cycles = self.warmup_cycles
+        best = self.best_k()
+        if best == 0:  # earlier turns found drafting did not pay: plain, with an early probe
+            self._plain_since_probe, self._probe_interval = 0, min(self.first_probe_after, self.probe_every)
+        self._current = best
 
     def _observe_positions(self, k: int, num_accepted: int) -> None:
         """Token j was tested iff j <= num_accepted (tests stop at the first rejection)."""

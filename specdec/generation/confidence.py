@@ -49,6 +49,23 @@ class ConfidenceCalibration:
             self._survived[b] += 1.0 if num_accepted > j else 0.0
         self.blocks += 1
 
+    def shares(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """Per bin, the share of all observations it holds and of those that survived ((), () if none)."""
+        total = sum(self._weight)
+        if total <= 0:
+            return (), ()
+        return tuple(w / total for w in self._weight), tuple(s / total for s in self._survived)
+
+    def start_from(self, weight: tuple[float, ...], survived: tuple[float, ...], observations: float,
+                   blocks: int) -> None:
+        """Start from shares() of other sessions, as if `observations` drafted tokens in `blocks`
+        blocks had been seen (a draft's calibration is mostly the draft's, not the text's)."""
+        if len(weight) != self.bins or len(survived) != self.bins:
+            return
+        self._weight = [w * observations for w in weight]
+        self._survived = [s * observations for s in survived]
+        self.blocks = blocks
+
     def survival(self, product: float) -> float:
         """Estimated P(all drafted tokens so far accepted) given their confidence product."""
         b = self._bin(product)

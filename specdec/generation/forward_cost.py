@@ -35,6 +35,14 @@ class ForwardCost:
         self._sums = self.decay * self._sums + np.outer(features, np.append(features, seconds))
         self._fitted = None
 
+    def moments(self) -> np.ndarray | None:
+        """The sums per unit of weight (what another session's fit can start from), None if unseen."""
+        return self._sums / self._sums[0, 0] if self.seen else None
+
+    def start_from(self, moments: np.ndarray, weight: float) -> None:
+        """Start from moments() of other sessions, as if `weight` forwards had been seen."""
+        self._sums, self._fitted = np.array(moments, dtype=float) * weight, None
+
     def cost(self, num_tokens: int) -> float:
         if not self.seen:
             return 0.0

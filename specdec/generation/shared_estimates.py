@@ -1,0 +1,108 @@
+"""What earlier turns learned, for the next turn's adaptive draft length.
+
+Every turn used to start its DraftLengthPolicy from nothing: three cycles at the initial length, a
+plain step to price plain decoding, then a few noisy cycles of adapting. A Spec-Bench answer of 128
+tokens is about 50 cycles, so the opening cost the adaptive length 3-8% against the best fixed k in
+a simulation with two GPUs' costs (tests/test_shared_estimates.py), about what round 22 measured on
+the GPUs (4-5%). Yet most of what a policy learns belongs to the deployment, not to the turn: the
+draft's seconds per token, the target's cost per verified token, the overhead of a cycle and of a
+plain step, and how the draft's confidence predicts acceptance. Only the acceptance itself depends
+much on the text.
+
+So the coordinator keeps one SharedEstimates per route (target, draft, sequential or pipelined):
+each adaptive turn adds what its policy measured (every `absorb_every` cycles and at its end), and
+a new turn's policy starts from the running average: the costs with the weight of a few
+measurements (its own replace them within a few cycles), the acceptance per position with the
+weight of a few cycles, and the length the average says is best, adapting from its first cycle.
+Lengths only: verification, and so the output, does not depend on any of it.
+
+Pure bookkeeping, like adaptive.py: no I/O, no clocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class PolicyEstimates:
+    """A policy's measurements, each normalised to one unit of weight (per forward, per cycle,
+    per confidence observation), so that turns of any length average alike."""
+
+    draft_s: float | None = None  # model seconds per drafted token
+    forward_moments: np.ndarray | None = None  # ForwardCost's sums divided by their weight
+    speculative_overhead_s: float | None = None
+    ahead_overhead_s: float | None = None
+    plain_overhead_s: float | None = None
+    pipelined: bool = False
+    acceptance: float | None = None  # accepted / acceptance tests
+    tested: tuple[float, ...] = ()  # per draft position, relative to position 0's tests
+    passed: tuple[float, ...] = ()
+    calibration_weight: tuple[float, ...] = ()  # the confidence bins' shares of the observations
+    calibration_survived: tuple[float, ...] = ()
+
+
+def _blend(old, new, keep: float):
+    """old * keep + new * (1 - keep), where either may be missing (None, or an empty sequence).
+    Sequences of different lengths (draft positions) count the missing entries as 0."""
+    if new is None or (isinstance(new, tuple) and not new):
+        return old
+    if old is None or (isinstance(old, tuple) and not old):
+        return new
+    if isinstance(new, tuple):
+        size = max(len(old), len(new))
+        padded_old, padded_new = (np.pad(np.asarray(x, dtype=float), (0, size - len(x))) for x in (old, new))
+        return tuple((keep * padded_old + (1.0 - keep) * padded_new).tolist())
+    return keep * old + (1.0 - keep) * new
+
+
+def merge(old: PolicyEstimates | None, new: PolicyEstimates, keep: float) -> PolicyEstimates:
+    """The running average of turns' estimates: `keep` is the weight of everything before `new`."""
+    if old is None:
+        return new
+    return PolicyEstimates(
+        draft_s=_blend(old.draft_s, new.draft_s, keep),
+        forward_moments=_blend(old.forward_moments, new.forward_moments, keep),
+        speculative_overhead_s=_blend(old.speculative_overhead_s, new.speculative_overhead_s, keep),
+        ahead_overhead_s=_blend(old.ahead_overhead_s, new.ahead_overhead_s, keep),
+        plain_overhead_s=_blend(old.plain_overhead_s, new.plain_overhead_s, keep),
+        pipelined=new.pipelined,
+        acceptance=_blend(old.acceptance, new.acceptance, keep),
+        tested=_blend(old.tested, new.tested, keep),
+        passed=_blend(old.passed, new.passed, keep),
+        calibration_weight=_blend(old.calibration_weight, new.calibration_weight, keep),
+        calibration_survived=_blend(old.calibration_survived, new.calibration_survived, keep),
+    )
+
+
+@dataclass
+class SharedEstimates:
+    """One route's running average of what its adaptive turns measured."""
+
+    keep: float = 0.8  # per absorbed snapshot: the last ten or so turns matter
+    absorb_every: int = 32  # cycles between a long turn's snapshots
+    estimates: PolicyEstimates | None = None
+    absorbed: int = 0
+
+    def absorb(self, estimates: PolicyEstimates) -> None:
+        self.estimates = merge(self.estimates, estimates, self.keep)
+        self.absorbed += 1
+
+
+@dataclass
+class SharedEstimatesByRoute:
+    """The coordinator's estimates, one SharedEstimates per (target, draft, pipelined) route:
+    replicas on other hardware, or another mode, cost differently."""
+
+    routes: dict[tuple[str, str, bool], SharedEstimates] = field(default_factory=dict)
+    max_routes: int = 256  # a bound for coordinators whose replicas come and go
+
+    def route(self, target: str, draft: str, pipelined: bool) -> SharedEstimates:
+        key = (target, draft, pipelined)
+        if key not in self.routes:
+            if len(self.routes) >= self.max_routes:
+                self.routes.pop(next(iter(self.routes)))  # the oldest route
+            self.routes[key] = SharedEstimates()
+        return self.routes[key]
