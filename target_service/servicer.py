@@ -42,6 +42,7 @@ from specdec.engine.target import TargetEngine
 from specdec.engine.target_stream import decode_step_stream, decode_steps
 from specdec.errors import InvalidArgument
 from specdec.generation.inner_adaptive import AdaptiveDraftLength
+from specdec.generation.shared_estimates import SharedEstimatesByRoute
 from specdec.observability.metrics import TargetMetrics
 from specdec.observability.spans import SPECDEC_NUM_ACCEPTED, SPECDEC_NUM_DRAFT_TOKENS, SPECDEC_POSITION
 from specdec.rpc import VERIFY_METHOD, target_pb2, target_pb2_grpc
@@ -85,6 +86,7 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
         self.executor = executor
         self._warned_no_inner_draft = False
         self._ending: set[asyncio.Task] = set()  # hosted draft sessions being ended (forget_sessions)
+        self.shared_estimates = SharedEstimatesByRoute(max_routes=2)  # adaptive streams' (inner_adaptive.py)
         self.metrics = metrics
         self.tokenizer = tokenizer
         self.max_draft_tokens = max_draft_tokens
@@ -256,7 +258,10 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
             return self._draft_limit(session_id)
 
         # The adaptive length (generation.inner_adaptive), or None: the drafter's fixed rule.
-        length = AdaptiveDraftLength(lookup or model, limit) if request.adaptive_draft_length else None
+        length = None
+        if request.adaptive_draft_length:  # starting from what earlier streams of this drafter measured
+            shared = self.shared_estimates.route("", "lookup" if lookup else "model", False)
+            length = AdaptiveDraftLength(lookup or model, limit, shared)
         if lookup:
             return LookupDrafter(committed, lookup, request.stop_token_ids, limit, length)
         if self.inner_draft is None:  # a misconfiguration costs speed, never the request

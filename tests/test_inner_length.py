@@ -189,3 +189,25 @@ def _block(n: int, confidences: tuple[float, ...] = ()) -> DraftBlock:
     import torch
 
     return DraftBlock(torch.arange(n, dtype=torch.int64), confidences=confidences)
+
+
+def test_an_adaptive_stream_starts_from_what_earlier_streams_of_its_drafter_measured():
+    """The target's adaptive streams share estimates as the coordinator's turns do: a stream adds its
+    policy's estimates every absorb_every drafted steps; the next one starts at the length they make
+    best (short here: half the drafted tokens are wrong), not at 4 for a warm-up."""
+    from specdec.generation.shared_estimates import SharedEstimates
+
+    shared = SharedEstimates(absorb_every=8)
+    first = AdaptiveDraftLength(8, shared=shared)
+    first.plain(0.040)
+    for _ in range(16):
+        k, _ = first.next(100)
+        k = k or 4  # the exploring plain steps aside, every step drafts
+        outcome = VerifyOutcome(0, k, min(1, k), 1)  # the first token accepted, the second not
+        first.kept(k, k, k, outcome)
+        first.verified(_block(k, ()), outcome, 0.004 * k, 0.040 * (1 + 0.03 * k))
+    assert shared.absorbed == 2
+    second = AdaptiveDraftLength(8, shared=shared)
+    assert second.policy.cycles == second.policy.warmup_cycles
+    assert 0 < second.next(100)[0] < 4
+    assert AdaptiveDraftLength(8).next(100)[0] == 4  # cold: the warm-up length

@@ -9,6 +9,9 @@ Inside the target the policy sees model time only: a step's time outside the mod
 event loop) is the same for a plain and a drafted step, and no round trip differs between them (the
 coordinator's policy counts its RPCs; there are none here). The goodput trimming still caps every
 draft (specdec.engine.inner_length.DraftLength, whose cap this keeps).
+
+As in the coordinator, a stream starts from what earlier streams of the same drafter measured
+(shared_estimates.py), and adds its own every absorb_every drafted steps.
 """
 
 from __future__ import annotations
@@ -17,14 +20,20 @@ from typing import Callable
 
 from specdec.engine.inner_length import DraftLength
 from specdec.generation.adaptive import DraftLengthPolicy
+from specdec.generation.shared_estimates import SharedEstimates
 from specdec.types import DraftBlock, VerifyOutcome
 
 
 class AdaptiveDraftLength(DraftLength):
-    def __init__(self, max_tokens: int, limit: Callable[[], int | None] = lambda: None):
+    def __init__(self, max_tokens: int, limit: Callable[[], int | None] = lambda: None,
+                 shared: SharedEstimates | None = None):
         super().__init__(max_tokens, limit)
-        # Starts at the coordinator's default start (4) or lower, up to max_tokens.
+        # Starts at the coordinator's default start (4) or lower, up to max_tokens, or from `shared`.
         self.policy = DraftLengthPolicy(min(4, max_tokens), max_tokens)
+        self.shared = shared
+        if shared is not None and shared.estimates is not None:
+            self.policy.warm_start(shared.estimates)
+        self._shared_at = self.policy.cycles
 
     def wanted(self, confidences: bool) -> tuple[int, float]:
         k = self.policy.next_k()
@@ -35,6 +44,9 @@ class AdaptiveDraftLength(DraftLength):
         k = outcome.num_drafted  # what the target verified, after its trimming
         self.policy.observe_cycle(k, outcome.num_accepted, draft_s * k / max(block.num_tokens, 1), verify_s,
                                   confidences=tuple(block.confidences[:k]), steady=steady)
+        if self.shared is not None and self.policy.cycles - self._shared_at >= self.shared.absorb_every:
+            self._shared_at = self.policy.cycles
+            self.shared.absorb(self.policy.estimates())
 
     def plain(self, step_s: float) -> None:
         self.policy.observe_plain(step_s)
