@@ -2,12 +2,12 @@
 
 Every turn used to start its DraftLengthPolicy from nothing: three cycles at the initial length, a
 plain step to price plain decoding, then a few noisy cycles of adapting. A Spec-Bench answer of 128
-tokens is about 50 cycles, so the opening cost the adaptive length 3-8% against the best fixed k in
-a simulation with two GPUs' costs (tests/test_shared_estimates.py), about what round 22 measured on
-the GPUs (4-5%). Yet most of what a policy learns belongs to the deployment, not to the turn: the
-draft's seconds per token, the target's cost per verified token, the overhead of a cycle and of a
-plain step, and how the draft's confidence predicts acceptance. Only the acceptance itself depends
-much on the text.
+tokens is about 50 cycles, so the opening cost the adaptive length 3% against the best fixed k in a
+simulation with two GPUs' costs (tests/test_shared_estimates.py; 1.4% warm), and 4-6% on two GPUs
+(docs/BENCHMARKS.md, rounds 22 and 23; a tie warm). Yet most of what a policy learns belongs to
+the deployment, not to the turn: the draft's seconds per token, the target's cost per verified
+token, the overhead of a cycle and of a plain step, and how the draft's confidence predicts
+acceptance. Only the acceptance itself depends much on the text.
 
 So the coordinator keeps one SharedEstimates per route (target, draft, sequential or pipelined):
 each adaptive turn adds what its policy measured (every `absorb_every` cycles and at its end), and
