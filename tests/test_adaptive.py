@@ -344,12 +344,27 @@ def test_coordinator_flags_for_the_draft_length_and_plain_decoding(argv, adaptiv
         settings_from_args(parser.parse_args(base + ["--max-adaptive-draft-tokens", "0"]))
 
 
-def simulate_pipelined(policy, cycles=1500, alpha=0.8, draft_s=0.002, overhead_s=0.0038, ahead_overhead_s=0.0023,
-                       plain_s=0.0067, honest=True, seed=0):
-    """Tokens per second of pipelined cycles with two GPUs' costs (round 21: 1B draft 2 ms a token,
-    8B verify 7.6 ms + 0.07 ms a token, a plain step 6.3 + 0.4 ms), each token accepted with
-    probability alpha, reported to the policy as the loop reports them. honest=False: as the loop
-    did before round 22: every draft forward charged to the verified block, the overhead clamped."""
+def pipelined_cycle(rng, k, ahead, alpha=0.8, draft_s=0.002, overhead_s=0.0038, ahead_overhead_s=0.0023):
+    """One pipelined cycle of k drafted tokens with two GPUs' costs (round 21: 1B draft 2 ms a token,
+    8B verify 7.6 ms + 0.07 ms a token), each token accepted with probability alpha: (its wall time,
+    the model time on its critical path, the draft's model time, the verify's, the draft forwards it
+    paid for, tokens accepted, whether its successor drafted beside it is the next block)."""
+    before = 0.0 if ahead else k * draft_s  # the Propose before the verify (none after a hit)
+    beside = (k + 1) * draft_s  # the guess and k tokens, drafted during the verify
+    verify = 0.0076 + 0.00007 * (k + 1)
+    critical = before + max(verify, beside)
+    wall = critical + (ahead_overhead_s if ahead else overhead_s)
+    accepted = 0
+    while accepted < k and rng.random() < alpha:
+        accepted += 1
+    hit = accepted == k and rng.random() < alpha  # and the guessed bonus token was the target's
+    return wall, critical, before + beside, verify, (0 if ahead else k) + k + 1, accepted, hit
+
+
+def simulate_pipelined(policy, cycles=1500, alpha=0.8, plain_s=0.0067, honest=True, seed=0):
+    """Tokens per second of pipelined cycles (pipelined_cycle; a plain step 6.3 + 0.4 ms), reported to
+    the policy as the loop reports them. honest=False: as the loop did before round 22: every draft
+    forward charged to the verified block, the overhead clamped."""
     rng = random.Random(seed)
     ahead, seconds, tokens = False, 0.0, 0
     for _ in range(cycles):
@@ -358,20 +373,12 @@ def simulate_pipelined(policy, cycles=1500, alpha=0.8, draft_s=0.002, overhead_s
             policy.observe_plain(plain_s - 0.0004, 0.0004)
             seconds, tokens, ahead = seconds + plain_s, tokens + 1, False
             continue
-        before = 0.0 if ahead else k * draft_s  # the Propose before the verify (none after a hit)
-        beside = (k + 1) * draft_s  # the guess and k tokens, drafted during the verify
-        verify = 0.0076 + 0.00007 * (k + 1)
-        critical = before + max(verify, beside)
-        wall = critical + (ahead_overhead_s if ahead else overhead_s)
-        accepted = 0
-        while accepted < k and rng.random() < alpha:
-            accepted += 1
-        hit = accepted == k and rng.random() < alpha  # and the guessed bonus token was the target's
+        wall, critical, draft, verify, steps, accepted, hit = pipelined_cycle(rng, k, ahead, alpha)
         if honest:
-            policy.observe_cycle(k, accepted, before + beside, verify, wall - critical,
-                                 draft_steps=(0 if ahead else k) + k + 1, drafted_ahead=ahead, beside=True)
+            policy.observe_cycle(k, accepted, draft, verify, wall - critical, draft_steps=steps, drafted_ahead=ahead,
+                                 beside=True)
         else:
-            policy.observe_cycle(k, accepted, before + beside, verify, max(0.0, wall - before - beside - verify))
+            policy.observe_cycle(k, accepted, draft, verify, max(0.0, wall - draft - verify))
         seconds, tokens, ahead = seconds + wall, tokens + accepted + 1, hit
     return tokens / seconds
 

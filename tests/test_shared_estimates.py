@@ -12,11 +12,13 @@ from specdec.generation.shared_estimates import PolicyEstimates, SharedEstimates
 
 
 def simulate_turns(make_policy, turns=20, tokens_per_turn=128, shared=None, alpha=0.8, jitter=0.1, seed=0,
-                   draft_s=0.002, overhead_s=0.0038, ahead_overhead_s=0.0023, plain_s=0.0067):
-    """Tokens per second of turns of 128 tokens, pipelined, with two GPUs' costs (round 21: 1B
-    draft 2 ms a token, 8B verify 7.6 ms + 0.07 ms a token, a plain step 6.7 ms), every token
-    accepted with probability alpha, the policy's measurements off by `jitter` (relative, normal).
-    shared: the turns' SharedEstimates (None: each turn starts from nothing)."""
+                   plain_s=0.0067):
+    """Tokens per second of turns of 128 tokens of pipelined cycles (test_adaptive.pipelined_cycle:
+    two GPUs' costs; a plain step 6.7 ms), every token accepted with probability alpha, the policy's
+    measurements off by `jitter` (relative, normal). shared: the turns' SharedEstimates (None: each
+    turn starts from nothing)."""
+    from test_adaptive import pipelined_cycle
+
     rng = random.Random(seed)
     seconds = tokens = 0.0
     for _ in range(turns):
@@ -31,16 +33,9 @@ def simulate_turns(make_policy, turns=20, tokens_per_turn=128, shared=None, alph
                 policy.observe_plain(noisy(plain_s - 0.0004), 0.0004)
                 seconds, produced, ahead = seconds + plain_s, produced + 1, False
                 continue
-            before, beside = (0.0 if ahead else k * draft_s), (k + 1) * draft_s
-            verify = 0.0076 + 0.00007 * (k + 1)
-            critical = before + max(verify, beside)
-            wall = critical + (ahead_overhead_s if ahead else overhead_s)
-            accepted = 0
-            while accepted < k and rng.random() < alpha:
-                accepted += 1
-            hit = accepted == k and rng.random() < alpha  # and the guessed bonus token was the target's
-            policy.observe_cycle(k, accepted, noisy(before + beside), noisy(verify), noisy(wall - critical),
-                                 draft_steps=(0 if ahead else k) + k + 1, drafted_ahead=ahead, beside=True)
+            wall, critical, draft, verify, steps, accepted, hit = pipelined_cycle(rng, k, ahead, alpha)
+            policy.observe_cycle(k, accepted, noisy(draft), noisy(verify), noisy(wall - critical),
+                                 draft_steps=steps, drafted_ahead=ahead, beside=True)
             seconds, produced, ahead = seconds + wall, produced + accepted + 1, hit
         tokens += produced
         if shared is not None:
