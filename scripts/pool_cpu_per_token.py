@@ -55,6 +55,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--pools", default="baseline,speculative", help="the pools to run, in this order")
     parser.add_argument("coordinator_args", nargs="*", help="extra coordinator flags, after --")
     args = parser.parse_args()
     target, draft = resolve_model("smollm2-135m-instruct"), resolve_model("smollm2-135m-draft")
@@ -66,10 +67,11 @@ def main() -> None:
         pids = {"coordinator": next(p for p in deployment.processes if p.module == "coordinator").proc.pid,
                 "target": deployment.target.proc.pid, "draft": deployment.drafts["draft-model"].proc.pid}
         address = deployment.coordinators["draft-model"]
-        for pool in ("baseline", "speculative"):  # warm-up
+        pools = args.pools.split(",")
+        for pool in pools:  # warm-up
             asyncio.run(level(address, prompts[:4], pool, 16))
         for _ in range(args.rounds):
-            for pool in ("baseline", "speculative"):
+            for pool in pools:
                 before = {name: cpu_seconds(pid) for name, pid in pids.items()}
                 generated, wall, cycles = asyncio.run(level(address, prompts, pool, args.tokens))
                 per_token = {name: (cpu_seconds(pid) - before[name]) * 1e3 / generated for name, pid in pids.items()}
