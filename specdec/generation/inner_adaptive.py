@@ -20,7 +20,7 @@ from typing import Callable
 
 from specdec.engine.inner_length import DraftLength
 from specdec.generation.adaptive import DraftLengthPolicy
-from specdec.generation.shared_estimates import SharedEstimates
+from specdec.generation.shared_estimates import SharedEstimates, SharingPolicy
 from specdec.types import DraftBlock, VerifyOutcome
 
 
@@ -30,10 +30,7 @@ class AdaptiveDraftLength(DraftLength):
         super().__init__(max_tokens, limit)
         # Starts at the coordinator's default start (4) or lower, up to max_tokens, or from `shared`.
         self.policy = DraftLengthPolicy(min(4, max_tokens), max_tokens)
-        self.shared = shared
-        if shared is not None and shared.estimates is not None:
-            self.policy.warm_start(shared.estimates)
-        self._shared_at = self.policy.cycles
+        self.sharing = SharingPolicy(shared, self.policy) if shared is not None else None
 
     def wanted(self, confidences: bool) -> tuple[int, float]:
         k = self.policy.next_k()
@@ -44,9 +41,8 @@ class AdaptiveDraftLength(DraftLength):
         k = outcome.num_drafted  # what the target verified, after its trimming
         self.policy.observe_cycle(k, outcome.num_accepted, draft_s * k / max(block.num_tokens, 1), verify_s,
                                   confidences=tuple(block.confidences[:k]), steady=steady)
-        if self.shared is not None and self.policy.cycles - self._shared_at >= self.shared.absorb_every:
-            self._shared_at = self.policy.cycles
-            self.shared.absorb(self.policy.estimates())
+        if self.sharing is not None:
+            self.sharing.share()
 
     def plain(self, step_s: float) -> None:
         self.policy.observe_plain(step_s)

@@ -25,7 +25,7 @@ from specdec.errors import ServiceUnavailable, SessionNotFound
 from specdec.generation.adaptive import DraftLengthPolicy
 from specdec.generation.pipeline import PipelinedDrafting
 from specdec.generation.plain_runs import PlainRuns
-from specdec.generation.shared_estimates import SharedEstimates
+from specdec.generation.shared_estimates import SharedEstimates, SharingPolicy
 from specdec.generation.stats import SpeculationStats
 from specdec.generation.stopping import FinishReason, StopChecker
 from specdec.sampling.params import SamplingParams
@@ -151,17 +151,16 @@ class SpeculativeLoop:
         k = self.settings.num_draft_tokens
         if draft is not None and self.settings.adaptive:
             self.policy = DraftLengthPolicy(k, self.settings.max_draft_tokens)
-            shared = self.settings.shared_estimates
-            if shared is not None and shared.estimates is not None:
-                self.policy.warm_start(shared.estimates)
         elif draft is not None and k > 0:  # a fixed length too yields to the loaded target's trimming
             self.policy = DraftLengthPolicy(k, k, adapt=False)
         self.pipeline = PipelinedDrafting(self) if self.settings.pipelining and draft is not None else None
         # Plain steps, streamed in runs (plain_runs.py); with target lookup, steps that may speculate.
         self.plain_runs = PlainRuns(target, self.settings.inner_draft if self.settings.stream_plain else None)
         self._policy_plain = False  # the policy chose this cycle's plain step (not the budget)
-        # The policy's cycle count when it last added to the shared estimates (a warm start's counts too).
-        self._shared_at = self.policy.cycles if self.policy is not None else 0
+        # An adaptive length starts from the route's shared estimates and adds its own to them.
+        shared = self.settings.shared_estimates
+        self.sharing = SharingPolicy(shared, self.policy) if shared is not None and self.policy is not None \
+            and self.policy.adapt else None
 
     async def run(self, cursor: SessionCursor, stop: StopChecker, emit: TokenSink) -> GenerationResult:
         """Generate after the cursor's committed sequence until `stop` says so; emit every token
@@ -173,18 +172,9 @@ class SpeculativeLoop:
         try:
             return await self._run(cursor, stop, emit, stats, plain_cycles_left)
         finally:  # an error or a cancelled turn: the next turn truncates the target to its record
-            self._share_estimates(turn_ended=True)
+            if self.sharing is not None:
+                self.sharing.share(ended=True)
             await self.plain_runs.close()
-
-    def _share_estimates(self, turn_ended: bool = False) -> None:
-        """Add what the adaptive policy measured to the route's shared estimates: every
-        absorb_every speculative cycles, and at the turn's end whatever it saw since."""
-        shared, policy = self.settings.shared_estimates, self.policy
-        if shared is None or policy is None or not policy.adapt:
-            return
-        if policy.cycles - self._shared_at >= (1 if turn_ended else shared.absorb_every):
-            self._shared_at = policy.cycles
-            shared.absorb(policy.estimates())
 
     async def _run(self, cursor: SessionCursor, stop: StopChecker, emit: TokenSink, stats: SpeculationStats,
                    plain_cycles_left: int) -> GenerationResult:
@@ -249,7 +239,8 @@ class SpeculativeLoop:
                                       drafted_ahead=calls.drafted_ahead, beside=calls.beside)
             if outcome.num_drafted < calls.num_proposed:  # the loaded target trimmed the draft
                 self.policy.limit(outcome.num_drafted)
-            self._share_estimates()
+            if self.sharing is not None:
+                self.sharing.share()
 
     def _draft_length(self, cursor: SessionCursor, stop: StopChecker, ahead: int = 0) -> int:
         """For a block that starts `ahead` tokens past the committed sequence (pipelining)."""

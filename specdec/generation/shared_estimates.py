@@ -91,6 +91,22 @@ class SharedEstimates:
         self.absorbed += 1
 
 
+class SharingPolicy:
+    """One policy's link to its route's estimates: warm-started when made, and its estimates added
+    every `absorb_every` cycles it observes and once more when its turn (or stream) ends."""
+
+    def __init__(self, shared: SharedEstimates, policy) -> None:
+        self.shared, self.policy = shared, policy
+        if shared.estimates is not None:
+            policy.warm_start(shared.estimates)
+        self._shared_at = policy.cycles  # the policy's cycle count when it last added its estimates
+
+    def share(self, ended: bool = False) -> None:
+        if self.policy.cycles - self._shared_at >= (1 if ended else self.shared.absorb_every):
+            self._shared_at = self.policy.cycles
+            self.shared.absorb(self.policy.estimates())
+
+
 @dataclass
 class SharedEstimatesByRoute:
     """The coordinator's estimates, one SharedEstimates per (target, draft, pipelined) route:
