@@ -85,15 +85,22 @@ def test_a_warm_start_takes_the_costs_and_acceptance_and_adapts_from_its_first_c
     assert fresh.position_acceptance(0) < earlier.position_acceptance(0) - 0.1
 
 
-def test_a_warm_start_that_says_drafting_does_not_pay_starts_plain_and_probes_soon():
+def test_a_warm_start_that_says_drafting_does_not_pay_drafts_one_token_then_decides_on_its_own():
+    """Earlier turns found drafting did not pay: this turn still drafts one token first (its text may
+    be another) and switches off after switch_off_after verdicts of its own, not after a warm-up."""
     earlier = observed_policy(accepted_per_cycle=(0,), k=2)
     assert earlier.best_k() == 0
     fresh = DraftLengthPolicy(4, 8, confidence_stop=False)
     fresh.warm_start(earlier.estimates())
-    assert [fresh.next_k() for _ in range(1)] == [0]
-    for _ in range(fresh.first_probe_after):
-        fresh.observe_plain(0.006, 0.0005)
-    assert fresh.next_k() > 0  # the probe: the text of this turn may be another
+    ks = []
+    for _ in range(fresh.switch_off_after):  # its own cycles reject every token
+        ks.append(fresh.next_k())
+        fresh.observe_cycle(ks[-1], 0, 0.002 * ks[-1], 0.0078, 0.003)
+    assert ks == [1] * fresh.switch_off_after and fresh.next_k() == 0
+    good = DraftLengthPolicy(4, 8, confidence_stop=False)
+    good.warm_start(earlier.estimates())
+    good.observe_cycle(good.next_k(), 1, 0.002, 0.0078, 0.003)  # this turn's text is predictable
+    assert good.next_k() > 0
 
 
 def test_nothing_to_start_from_leaves_the_policy_as_it_was():

@@ -366,8 +366,9 @@ class DraftLengthPolicy:
 
     def warm_start(self, estimates: PolicyEstimates) -> None:
         """Start from earlier turns' estimates: their costs as a few measurements, their acceptance
-        as a few cycles (warm_*), at the length they make best, adapting from the first cycle
-        instead of after warmup_cycles at `initial`. Nothing happens before a turn measured a draft."""
+        as a few cycles (warm_*), at the length they make best (at least 1), adapting from the first
+        cycle instead of after warmup_cycles at `initial`. Nothing happens before a turn measured a
+        draft."""
         e = estimates
         if not self.adapt or e.draft_s is None or e.forward_moments is None:
             return
@@ -384,10 +385,9 @@ class DraftLengthPolicy:
         self._calibration.start_from(e.calibration_weight, e.calibration_survived, self.warm_confidences,
                                      self.warmup_cycles)
         self._cycles = self.warmup_cycles
-        best = self.best_k()
-        if best == 0:  # earlier turns found drafting did not pay: plain, with an early probe
-            self._plain_since_probe, self._probe_interval = 0, min(self.first_probe_after, self.probe_every)
-        self._current = best
+        # Where earlier turns found drafting did not pay, this turn still drafts one token first: its
+        # text may be another, and its own cycles switch it off (switch_off_after verdicts) if not.
+        self._current = max(1, self.best_k())
 
     def _observe_positions(self, k: int, num_accepted: int) -> None:
         """Token j was tested iff j <= num_accepted (tests stop at the first rejection)."""

@@ -13,7 +13,8 @@ So the coordinator keeps one SharedEstimates per route (target, draft, sequentia
 each adaptive turn adds what its policy measured (every `absorb_every` cycles and at its end), and
 a new turn's policy starts from the running average: the costs with the weight of a few
 measurements (its own replace them within a few cycles), the acceptance per position with the
-weight of a few cycles, and the length the average says is best, adapting from its first cycle.
+weight of a few cycles, and the length the average says is best (at least one token: the turn's
+text may differ), adapting from its first cycle.
 Lengths only: verification, and so the output, does not depend on any of it.
 
 Pure bookkeeping, like adaptive.py: no I/O, no clocks.
