@@ -28,13 +28,16 @@ def test_a_good_cheap_draft_grows_to_the_longest_draft():
 
 
 def test_a_useless_draft_is_switched_off_and_probed_again_later():
-    policy = DraftLengthPolicy(initial=4, max_tokens=8, probe_every=5)
+    policy = DraftLengthPolicy(initial=4, max_tokens=8)
     policy.observe_plain(0.010)
     feed(policy, 10, 4, 0, draft_s=0.002, verify_s=0.012)
     assert policy.next_k() == 0
-    for _ in range(5):
+    waited = 0
+    while (probe := policy.next_k()) == 0:
         policy.observe_plain(0.010)
-    assert policy.next_k() == 4  # the probe cycle
+        waited += 1
+    assert policy.first_probe_after <= waited <= policy.longest_probe_wait
+    assert probe == 1  # the probe drafts what might pay: one token, not `initial`
     assert policy.next_k() == 0  # and back to plain decoding unless the probe changed the estimate
 
 
@@ -143,7 +146,7 @@ def test_a_longer_verify_never_looks_cheaper_than_a_shorter_one():
     """On a shared CPU the load changes under a session. Sizes timed at different loads, compared
     size by size, made a 6-token verify look half the price of a 4-token one; one cost line fitted
     over every forward keeps costs ordered by size, and a plain step is a 1-token forward."""
-    from specdec.generation.adaptive import ForwardCost
+    from specdec.generation.forward_cost import ForwardCost
 
     cost = ForwardCost()
     for n, seconds in [(1, 0.050), (3, 0.052), (5, 0.054), (2, 0.051), (4, 0.053)] * 4:
@@ -183,12 +186,13 @@ def test_while_off_old_evidence_fades_and_a_good_probe_switches_speculation_on()
     for _ in range(60):
         feed(policy, 1, 4, 0, draft_s=0.004, verify_s=0.048)
     assert policy.next_k() == 0
-    evidence_before = policy._evidence
-    for _ in range(16):
+    evidence_before, waited = policy._evidence, 0
+    while (probe := policy.next_k()) == 0:
         policy.observe_plain(0.040)
-    assert policy._evidence < 0.2 * evidence_before  # how sure the old estimate was is mostly forgotten
-    assert policy.next_k() == 4  # the probe
-    feed(policy, 1, 4, 3, draft_s=0.004, verify_s=0.048)  # the text became predictable
+        waited += 1
+    # How sure the old estimate was fades with every plain step.
+    assert policy._evidence == pytest.approx(evidence_before * policy.decay ** waited)
+    feed(policy, 1, probe, probe, draft_s=0.004, verify_s=0.048)  # the text became predictable
     assert policy.next_k() > 0
 
 
@@ -228,7 +232,7 @@ def test_a_catch_up_cycle_is_not_charged_as_drafting():
 def test_a_multi_token_forward_may_cost_a_step_more_than_a_plain_one():
     """On a CPU at one thread a 2-token verify costs ~25% more than a plain step and little more per
     token after that (another kernel for several rows): the fit keeps that step apart from the slope."""
-    from specdec.generation.adaptive import ForwardCost
+    from specdec.generation.forward_cost import ForwardCost
 
     cost = ForwardCost()
     for n, seconds in [(1, 0.040), (2, 0.050), (5, 0.053), (3, 0.051), (9, 0.057)] * 4:
@@ -237,17 +241,17 @@ def test_a_multi_token_forward_may_cost_a_step_more_than_a_plain_one():
     assert cost.cost(2) == pytest.approx(0.050, abs=5e-4) and cost.cost(9) == pytest.approx(0.057, abs=5e-4)
 
 
-def test_switching_off_takes_two_verdicts_and_reprobes_back_off_from_four_to_probe_every():
-    """A wrong switch-off costs plain steps until the next probe, so one bad verdict is not enough,
-    and the first probe comes after first_probe_after plain steps; each probe that fails doubles
-    the wait, up to probe_every."""
-    policy = DraftLengthPolicy(initial=4, max_tokens=8, optimism=0.0, probe_every=16)
+def test_switching_off_takes_two_verdicts_and_reprobes_back_off_up_to_the_longest_wait():
+    """A wrong switch-off costs plain steps until the next probe, so one bad verdict is not enough.
+    A draft that loses by far pays for the switch soon: the first probe comes after
+    first_probe_after plain steps; each probe that fails doubles the wait, up to longest_probe_wait."""
+    policy = DraftLengthPolicy(initial=4, max_tokens=8, optimism=0.0)
     policy.observe_plain(0.040)
-    feed(policy, 3, 4, 0, draft_s=0.004, verify_s=0.048)  # the first verdict: plain
+    feed(policy, 3, 4, 0, draft_s=0.004, verify_s=0.080)  # the first verdict: plain
     assert policy.next_k() == 4
-    feed(policy, 1, 4, 0, draft_s=0.004, verify_s=0.048)  # the second in a row
+    feed(policy, 1, 4, 0, draft_s=0.004, verify_s=0.080)  # the second in a row
     waits = []
-    for _ in range(5):
+    for _ in range(6):
         assert policy.next_k() == 0
         plain_steps = 1
         policy.observe_plain(0.040)
@@ -255,18 +259,18 @@ def test_switching_off_takes_two_verdicts_and_reprobes_back_off_from_four_to_pro
             plain_steps += 1
             policy.observe_plain(0.040)
         waits.append(plain_steps)
-        feed(policy, 1, k, 0, draft_s=0.004, verify_s=0.048)  # the probe fails
-    assert waits == [4, 8, 16, 16, 16]
-    feed(policy, 1, 4, 4, draft_s=0.004, verify_s=0.048)  # a probe that pays switches it on
+        feed(policy, 1, k, 0, draft_s=0.004, verify_s=0.080)  # the probe fails
+    assert waits == [4, 8, 16, 32, 64, 64]
+    feed(policy, 1, 4, 4, draft_s=0.004, verify_s=0.080)  # a probe that pays switches it on
     assert policy.next_k() > 0
 
 
 def test_plain_run_says_how_many_plain_steps_come_before_the_next_probe():
     """The loop streams a run of plain steps as one call, as long as the policy says it will last:
     up to the next probe while speculation is off, one step when it only measures plain decoding."""
-    policy = DraftLengthPolicy(initial=4, max_tokens=8, optimism=0.0, probe_every=16, explore_plain_every=10)
+    policy = DraftLengthPolicy(initial=4, max_tokens=8, optimism=0.0, explore_plain_every=10)
     policy.observe_plain(0.040)
-    feed(policy, 4, 4, 0, draft_s=0.004, verify_s=0.048)  # two "plain" verdicts in a row: off
+    feed(policy, 4, 4, 0, draft_s=0.004, verify_s=0.080)  # two "plain" verdicts in a row: off
     runs = []
     for _ in range(3):
         assert policy.next_k() == 0
@@ -279,7 +283,7 @@ def test_plain_run_says_how_many_plain_steps_come_before_the_next_probe():
         runs.append(run)
         k = policy.next_k()  # the probe comes exactly when the run ends
         assert k > 0
-        feed(policy, 1, k, 0, draft_s=0.004, verify_s=0.048)
+        feed(policy, 1, k, 0, draft_s=0.004, verify_s=0.080)
     assert runs == [4, 8, 16]
     on = DraftLengthPolicy(initial=4, max_tokens=8, explore_plain_every=10)
     feed(on, 3, 4, 4)

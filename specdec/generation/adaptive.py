@@ -2,55 +2,38 @@
 
 Leviathan et al. (2023, sec. 3.3): a cycle that drafts k tokens commits E(k) tokens on average and
 costs k * t_draft + t_verify(k + 1); plain decoding commits 1 token per t_plain. We pick the k
-(0 = plain decoding) with the highest E(k) / cost(k), from quantities measured on this session, so
-a draft that stops paying (low acceptance, a loaded target whose verify grows with k) is shrunk or
-switched off, and re-probed every `probe_every` plain cycles in case the text became predictable
-again. A target that trims drafts under load (it sees the whole batch) caps k at what it verified.
+(0 = plain decoding) with the highest E(k) / cost(k), from quantities measured on this session
+(measurements.py says how each is measured, and why), so a draft that stops paying (low
+acceptance, a loaded target whose verify grows with k) is shrunk or switched off, and re-probed
+later in case the text became predictable again. A target that trims drafts under load (it sees
+the whole batch) caps k at what it verified.
 
-Three refinements over the textbook rule, all because the textbook rule lost to a fixed k = 4 in
-the benchmark (docs/BENCHMARKS.md):
-- Costs are split into model time and a fixed per-cycle overhead (RPC, batching, coordination;
-  engine/cycle_cost.py). Dividing a whole Propose call's wall time by k charged the call's
-  fixed cost per drafted token: short drafts looked cheap, long ones dear. Now cost(k) =
-  k * t_draft + t_verify(k + 1) + overhead_speculative and a plain step t_plain + overhead_plain.
-- E(k) comes from the acceptance measured at each draft position, not from one rate a and the
-  geometric series 1 + a + ... + a^k. Lookup drafts (n-gram) are not geometric: a draft that
-  copies a repeated span is accepted the longer, the further it got. Each position's conditional
-  rate is shrunk toward the overall rate, so unseen or rarely reached positions use that.
-- The target's cost is one fit t(n) = t0 + t1 * n + t2 * [n > 1] over the tokens a forward
-  verifies, to every verify and plain step of the session (forward_cost.py), instead of a separate
-  running average per size: on a shared CPU one slow step made its size look dear for many
-  cycles, and sizes measured at different loads were compared with each other.
-
-Then three more, because it still lost (a quiet run: 1.30x against k = 3's 1.39x with the draft
-model; its sessions decoded 17-21% of their steps plainly):
+How it decides, beyond the textbook argmax, each because a benchmark showed the need
+(docs/BENCHMARKS.md):
 - Switching off needs an optimistic estimate to lose too (acceptance + half a standard error of
-  the evidence, which fades while off): switching off ends the measurements that could switch it
-  back on, and three unlucky opening cycles used to be enough.
-- A cycle whose draft first caught up (the prompt's prefill, tokens decoded plainly meanwhile) is
-  not a drafting cost: a long prompt's prefill once priced drafting at 20 ms a token.
+  the evidence, which fades while off, and the acceptance over a longer memory where that is
+  higher): switching off ends the measurements that could switch it back on, and three unlucky
+  opening cycles used to be enough.
+- Switching off must pay for itself (round 24): the plain run's opening round trip and the probe
+  that ends it cost more than a few plain steps save where drafting loses by little, so the wait
+  before the next probe is as long as the saving needs to repay them (_paying_wait), and where no
+  wait up to longest_probe_wait would, it keeps drafting. Each probe that fails doubles the wait.
 - One plain step after the warm-up and one every explore_plain_every cycles measure what plain
   decoding costs now (under concurrency, queueing included) instead of guessing it.
-
-Pipelined cycles (pipeline.py) cost differently: the draft drafts the next block beside the verify,
-so a cycle whose block was drafted ahead (a hit: k accepted and the guessed bonus right) skips the
-Propose before its verify, and the drafting beside it costs only what outlasts the verify. Charging
-them as sequential cycles (the draft's time in full, the speculative Propose's too) made drafting look
-twice as dear and shrank k to ~1.2 on two GPUs, where k = 4 ran 8% faster (BENCHMARKS.md, round 22).
-
-A draft model that reports its confidences also gets a per-block stop (confidence.py): the policy
-then asks for up to max_tokens and a confidence threshold below which the draft stops, so each block
-is as long as that block's own text pays for; best_k's choice only decides whether to speculate.
+- A draft model that reports its confidences also gets a per-block stop (confidence.py): the policy
+  then asks for up to max_tokens and a confidence threshold below which the draft stops, so each
+  block is as long as that block's own text pays for; best_k's choice only decides whether to
+  speculate.
+- A turn starts from what earlier turns on its route measured (shared_estimates.py, warm_start).
 
 Pure bookkeeping: no I/O, no clocks. The loop reports what each cycle cost.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from specdec.generation.confidence import ConfidenceCalibration
-from specdec.generation.forward_cost import ForwardCost
+from specdec.generation.measurements import Measurements
 from specdec.generation.shared_estimates import PolicyEstimates
 
 
@@ -66,18 +49,17 @@ def expected_tokens(acceptance: float, k: int) -> float:
 
 
 @dataclass
-class DraftLengthPolicy:
+class DraftLengthPolicy(Measurements):
     initial: int = 4
     max_tokens: int = 8
-    decay: float = 0.9  # weight of the past in every running estimate (recent text matters most)
     warmup_cycles: int = 3  # speculative cycles at `initial` before adapting
-    probe_every: int = 16  # plain cycles between re-probes once speculation is off (at most)
-    first_probe_after: int = 4  # plain cycles before the first re-probe; doubles per probe that fails
+    probe_every: int = 16  # plain cycles before a trimmed fixed length is tried in full again
+    first_probe_after: int = 4  # the shortest wait (plain cycles) before a re-probe once switched off
+    longest_probe_wait: int = 64  # the longest; each probe that fails doubles the wait up to it
+    short_stint: int = 8  # speculative cycles: switched off again within fewer, the wait doubles
+    switch_share: float = 0.5  # of what plain decoding saves, the most that switching to it may cost
+    least_saving: float = 0.05  # of a plain step, per token: plain decoding must save more to switch to it
     switch_off_after: int = 2  # consecutive cycles whose verdict is "plain" before switching off
-    prior_acceptance: float = 0.5
-    prior_trials: float = 2.0  # pseudo-trials: two lucky cycles don't mean a = 1
-    optimism: float = 0.5  # standard errors of acceptance granted before speculation is switched off
-    evidence_decay: float = 0.98  # per cycle, for how sure the acceptance estimate is (_optimism)
     explore_plain_every: int = 64  # speculative cycles between plain steps that re-measure plain decoding
     # False: a fixed draft length (the request named it); only the loaded target's trimming
     # shortens it, for probe_every cycles at a time (see limit()).
@@ -88,66 +70,36 @@ class DraftLengthPolicy:
     warm_cycles: float = 3.0  # cycles' worth of acceptance per draft position
     warm_trials: float = 6.0  # acceptance tests, for the overall rate and its evidence
     warm_confidences: float = 40.0  # drafted tokens' confidences
-    # Running estimates (exponentially weighted).
-    _accepted: float = 0.0  # accepted draft tokens
-    _trials: float = 0.0  # acceptance tests: accepted tokens + rejections
-    _evidence: float = 0.0  # the same, fading more slowly: how sure the estimate is
-    _tested: list[float] = field(default_factory=list)  # [j]: cycles whose draft token j was tested
-    _passed: list[float] = field(default_factory=list)  # [j]: ... and accepted
-    _draft_s: float | None = None  # model seconds per drafted token
-    _forward: "ForwardCost" = field(default_factory=lambda: ForwardCost())  # target seconds by tokens fed
-    _speculative_overhead_s: float | None = None  # per speculative cycle that proposed, outside the models
-    _ahead_overhead_s: float | None = None  # per pipelined cycle whose block was drafted ahead (no Propose)
-    _pipelined: bool = False  # the last cycle drafted its successor beside its verify
-    _plain_overhead_s: float | None = None  # per plain cycle, outside the model
     _cycles: int = 0
     _since_plain: int = 0  # speculative cycles since the last plain step
     _plain_seen: bool = False
     _plain_since_probe: int = 0
     _current: int = 0
-    _probe_interval: int = 0  # plain cycles between probes now: probe_every, longer under load
+    _probe_interval: int = 0  # plain cycles before the next probe while off
+    _wait: int = 0  # the wait best_k chose with its last verdict of 0
+    _last_wait: int = 0  # the wait of the last switch-off
+    _stint: int = 0  # speculative cycles since speculation was last switched on
     _limited_for: int = 0  # fixed length: cycles drafted under a trimmed limit so far
     _off_votes: int = 0  # consecutive "plain" verdicts while speculating
     _target_refuses: bool = False  # the last plain step's target would have verified no draft
-    _calibration: ConfidenceCalibration = field(default_factory=ConfidenceCalibration)
     _best_rate: float | None = None  # tokens per second of best_k's choice
 
     def __post_init__(self) -> None:
         self._current = max(0, min(self.initial, self.max_tokens))
         self._probe_interval = self.probe_every
-
-    @property
-    def acceptance(self) -> float:
-        # Each cycle runs acceptance tests until the first rejection: accepted / trials estimates
-        # the per-token acceptance rate without the bias of counting only accepted tokens.
-        return (self._accepted + self.prior_trials * self.prior_acceptance) / (self._trials + self.prior_trials)
+        self._stint = self.short_stint  # a first switch-off does not follow a probe that was too hopeful
 
     @property
     def cycles(self) -> int:
         """Speculative cycles observed (a warm start counts as warmup_cycles of them)."""
         return self._cycles
 
-    def position_acceptance(self, j: int) -> float:
-        """P(draft token j is accepted | tokens 0..j-1 were), shrunk toward the overall rate."""
-        tested = self._tested[j] if j < len(self._tested) else 0.0
-        passed = self._passed[j] if j < len(self._passed) else 0.0
-        return (passed + self.prior_trials * self.acceptance) / (tested + self.prior_trials)
-
-    def expected_tokens(self, k: int, bonus: float = 0.0) -> float:
-        """E(k) = 1 + sum over j < k of P(tokens 0..j all accepted), from the per-position rates
-        (each raised by `bonus`, at most to 1)."""
-        total, survive = 1.0, 1.0
-        for j in range(k):
-            survive *= min(1.0, self.position_acceptance(j) + bonus)
-            total += survive
-        return total
-
     def next_k(self) -> int:
         """How many tokens to draft in the next cycle (0: decode plainly)."""
         if self._current == 0:
             if self._plain_since_probe >= self._probe_interval and not self._target_refuses:
                 self._plain_since_probe = 0
-                return max(1, min(self.initial, self.max_tokens))  # one probe cycle
+                return self._probe_length()  # one probe cycle
             return 0
         if self.adapt and self._since_plain >= (self.explore_plain_every if self._plain_seen else self.warmup_cycles):
             # What a plain step costs now, queueing behind other sessions included, is what speculation
@@ -200,49 +152,56 @@ class DraftLengthPolicy:
         20 ms per drafted token and switched sessions off). Pipelining: drafted_ahead, the block was
         drafted during the previous verify (no Propose before this one); beside, the next block was
         drafted during this verify."""
-        rejected = 1 if num_accepted < k else 0
         was_off, backoff = self._current == 0, self._probe_interval
-        self._calibration.observe(tuple(confidences)[:k], num_accepted)
         if k > 0:  # the target verified a draft: the load lets speculation through again
             self._probe_interval = self.probe_every
-        self._accepted = self.decay * self._accepted + num_accepted
-        self._trials = self.decay * self._trials + num_accepted + rejected
-        self._evidence = self.evidence_decay * self._evidence + num_accepted + rejected
-        self._observe_positions(k, num_accepted)
-        draft_steps = k if draft_steps is None else draft_steps
-        if draft_steps > 0 and steady:
-            self._draft_s = self._ewma(self._draft_s, draft_s / draft_steps)
-        self._forward.observe(k + 1, verify_s)
-        self._pipelined = beside
-        if steady and drafted_ahead:
-            self._ahead_overhead_s = self._ewma(self._ahead_overhead_s, overhead_s)
-        elif steady:
-            self._speculative_overhead_s = self._ewma(self._speculative_overhead_s, overhead_s)
+        self._measure_cycle(k, num_accepted, draft_s, verify_s, overhead_s, confidences, steady,
+                            k if draft_steps is None else draft_steps, drafted_ahead, beside)
+        if was_off and k > 0 and self.adapt:
+            self._measure_probe(draft_s + verify_s + overhead_s)
         self._cycles += 1
         self._since_plain += 1
+        self._stint += 1
         if not self.adapt:
             self._restore_fixed_length()
         elif self._cycles >= self.warmup_cycles:
             self._current = self._decide(self.best_k(), was_off, backoff if k > 0 else None)
 
     def _decide(self, best: int, was_off: bool, backoff: int | None) -> int:
-        """best_k's verdict, with hysteresis on switching off. A wrong switch-off costs a run of plain
-        steps until the next probe (16 each in a quiet CPU sweep, on prompts where every fixed k beat
-        plain decoding), so it takes switch_off_after verdicts in a row, and the first re-probe comes
-        after first_probe_after plain steps, each failed probe doubling the wait up to probe_every.
+        """best_k's verdict, with hysteresis on switching off: a wrong switch-off costs a wait of plain
+        steps, so it takes switch_off_after verdicts in a row. The wait is best_k's (_paying_wait),
+        doubled after a probe that did not pay, and after a probe that switched speculation on for
+        fewer than short_stint cycles (it was too hopeful: on two GPUs at alpha 0.6, probes every few
+        plain steps that each switched it on for a few losing cycles held a session at 0.9x of plain).
         backoff: the wait before this cycle, if it was a verified probe (None otherwise)."""
-        if best > 0 or was_off:
+        if best > 0:
             self._off_votes = 0
-            if best == 0 and backoff is not None:  # a probe that did not pay: the next one later
-                self._probe_interval = min(2 * backoff, self.probe_every)
+            if was_off:
+                self._stint = 0
             return best
+        if was_off:
+            if backoff is not None:  # a probe that did not pay: the next one later
+                self._probe_interval = min(max(2 * backoff, self._wait), self.longest_probe_wait)
+            return 0
         self._off_votes += 1
         if self._off_votes < self.switch_off_after:
             return self._current
         self._off_votes = 0
         self._plain_since_probe = 0
-        self._probe_interval = min(self.first_probe_after, self.probe_every)
+        wait = self._wait
+        if self._stint < self.short_stint:
+            wait = max(wait, 2 * self._last_wait)
+        self._probe_interval = self._last_wait = min(wait, self.longest_probe_wait)
         return 0
+
+    def _probe_length(self) -> int:
+        """A probe's draft length: the best by the estimates with the optimism bonus, from 1 to
+        `initial` (a probe at k = 4 where only k = 1 might pay costs the most)."""
+        plain = self._plain_cost()
+        if not self.adapt or plain is None or self._draft_s is None:
+            return max(1, min(self.initial, self.max_tokens))
+        best, _ = self._best(0.0, bonus=self._optimism())
+        return max(1, min(best, self.initial, self.max_tokens))
 
     def limit(self, num_tokens: int) -> None:
         """The target verified only num_tokens of the draft: it trimmed the rest because, in its
@@ -261,17 +220,25 @@ class DraftLengthPolicy:
         self._current = 0
         self._target_refuses = True
 
-    def observe_plain(self, step_s: float, overhead_s: float = 0.0, draft_limit: int | None = None) -> None:
+    def observe_plain(self, step_s: float, overhead_s: float = 0.0, draft_limit: int | None = None,
+                      opened_run: bool = False, queued_s: float = 0.0) -> None:
         """A plain step: its model seconds, its seconds outside the model, and how many drafted tokens
         the target would have verified in that step (None: it did not say). While the target says 0,
-        no probe is made: it would be trimmed to nothing at the cost of a draft round trip."""
+        no probe is made: it would be trimmed to nothing at the cost of a draft round trip.
+
+        opened_run: the step opened a streamed run of plain steps (an exploring step does), paying
+        the stream's opening and a whole round trip, which the run's later steps overlap (the target
+        starts each while the last token travels). Plain decoding once switched off is such a run,
+        so of this step only its wait in the target's batcher (queued_s) estimates what a plain step
+        costs outside the model; the rest is the price of switching (_paying_wait). Priced as its
+        opening step, plain decoding looked 40% dearer than it is on two GPUs (9.7 ms against 7.0 ms
+        a token), and the adaptive length kept drafting at 0.89x of plain (BENCHMARKS.md, round 23)."""
         self._target_refuses = draft_limit == 0
         self._plain_seen, self._since_plain = True, 0
-        self._forward.observe(1, step_s)
-        self._plain_overhead_s = self._ewma(self._plain_overhead_s, overhead_s)
+        self._measure_plain(step_s, overhead_s, opened_run, queued_s)
         self._plain_since_probe += 1
-        if self._current == 0 and self.adapt:  # off: the acceptance measured earlier grows stale
-            self._evidence *= self.decay
+        if self._current == 0 and self.adapt:
+            self._fade_evidence()
 
     def _restore_fixed_length(self) -> None:
         """A fixed length cut by the target's trimming is tried in full again after probe_every
@@ -284,17 +251,45 @@ class DraftLengthPolicy:
             self._current = min(self.initial, self.max_tokens)
 
     def best_k(self) -> int:
-        """argmax over k in [0, max_tokens] of E(k) / cost(k); 0 wins when drafting doesn't pay,
-        judged optimistically (_optimism): switching off stops the measurements that could switch
-        it on again, so a few unlucky cycles must not be enough."""
+        """argmax over k in [0, max_tokens] of E(k) / cost(k). 0 wins when plain decoding saves more
+        than least_saving of a step a token (on two H100s at alpha 0.6, where k = 2 tied plain
+        decoding, turns that switched off on a thinner margin ran 6-15% slower than either: each
+        switch restarts the pipeline and the draft catches up), drafting does not pay even judged
+        optimistically (_optimism: switching off stops the measurements that could switch it on
+        again, so a few unlucky cycles must not be enough), and plain decoding's gain pays for the
+        switch within a wait of at most longest_probe_wait plain steps (_paying_wait)."""
         plain = self._plain_cost()
         if plain is None or self._draft_s is None:
             return self._current
         best_k, best_rate = self._best(1.0 / plain, bonus=0.0)
-        if best_k == 0:
-            best_k, _ = self._best(1.0 / plain, bonus=self._optimism())
         self._best_rate = best_rate
-        return best_k
+        if best_k > 0:
+            return best_k
+        point_k, point_rate = self._best(0.0, bonus=0.0)
+        if 1.0 / point_rate - plain < self.least_saving * plain:  # a margin within the estimates' noise
+            return point_k
+        drafting_k, drafting_rate = self._best(0.0, bonus=self._optimism())
+        wait = self._paying_wait(plain, 1.0 / drafting_rate, max(1, min(drafting_k, self.initial)))
+        if wait is None:
+            return drafting_k
+        self._wait = wait
+        return 0
+
+    def _paying_wait(self, plain_s: float, drafting_s: float, probe_k: int) -> int | None:
+        """The plain steps to wait before the next probe if speculation switches off now: the
+        shortest (from first_probe_after, doubling) whose switching cost, spread over it, takes at
+        most switch_share of what plain decoding saves per token; None if even longest_probe_wait's does not
+        (keep drafting). plain_s, drafting_s: seconds per token; the switch's cost: _switch_cost."""
+        saved = drafting_s - plain_s
+        if saved <= 0.0:
+            return None
+        switch = self._switch_cost(probe_k, plain_s)
+        wait = max(1, self.first_probe_after)
+        while switch / wait > saved * self.switch_share:
+            wait *= 2
+            if wait > self.longest_probe_wait:
+                return None
+        return wait
 
     def _best(self, plain_rate: float, bonus: float) -> tuple[int, float]:
         """(k, tokens per second) of the best draft length, acceptance raised by `bonus`."""
@@ -305,102 +300,20 @@ class DraftLengthPolicy:
                 best_k, best_rate = k, rate
         return best_k, best_rate
 
-    def cycle_cost(self, k: int) -> float:
-        """Expected seconds of a cycle that drafts k tokens. Sequential: draft, then verify, plus the
-        overhead. Pipelined: the successor is drafted (its guess, then k tokens) beside the verify,
-        and with probability hit(k) it is the next block, whose cycle then skips the Propose."""
-        verify = self.verify_cost(k + 1)
-        overhead = self._speculative_overhead_s or 0.0
-        if not self._pipelined:
-            return k * self._draft_s + verify + overhead
-        hit = self.hit_probability(k)
-        ahead_overhead = overhead if self._ahead_overhead_s is None else self._ahead_overhead_s
-        return ((1.0 - hit) * (k * self._draft_s + overhead) + hit * ahead_overhead
-                + max(verify, (k + 1) * self._draft_s))
-
-    def hit_probability(self, k: int) -> float:
-        """P(a block of k is accepted whole and the draft's next token is the target's): a pipelined
-        successor drafted on that guess is then the next block. The guess is judged like a drafted
-        token at position k."""
-        survive = 1.0
-        for j in range(k + 1):
-            survive *= self.position_acceptance(j)
-        return survive
-
-    def _optimism(self) -> float:
-        """An upper-confidence bonus on the acceptance rate: `optimism` standard errors of a rate
-        measured on the trials so far (the evidence, which fades slowly). Large after a few
-        cycles, small after many; it grows back while speculation is off (observe_plain forgets),
-        so probes switch it on again unless acceptance really is too low."""
-        return self.optimism * (0.25 / (self._evidence + self.prior_trials)) ** 0.5
-
-    def verify_cost(self, num_tokens: int) -> float:
-        """Target model seconds of a forward that verifies num_tokens (1: a plain step)."""
-        return self._forward.cost(num_tokens)
-
-    def _plain_cost(self) -> float | None:
-        """Seconds per plain step, overhead included. Before any plain step was seen: the
-        speculative cycles' overhead (which include a Propose round trip that plain decoding would
-        not pay: an estimate that leans toward speculating, until a plain step measures the truth)."""
-        if not self._forward.seen:
-            return None
-        step = self.verify_cost(1)
-        overhead = self._plain_overhead_s
-        if overhead is None:
-            overhead = self._speculative_overhead_s or 0.0
-        return step + overhead
-
-    def estimates(self) -> PolicyEstimates:
-        """What this policy measured, for the next turns on its route (shared_estimates.py)."""
-        cycles = self._tested[0] if self._tested else 0.0
-        weight, survived = self._calibration.shares()
-        return PolicyEstimates(
-            draft_s=self._draft_s, forward_moments=self._forward.moments(),
-            speculative_overhead_s=self._speculative_overhead_s, ahead_overhead_s=self._ahead_overhead_s,
-            plain_overhead_s=self._plain_overhead_s, pipelined=self._pipelined,
-            acceptance=self._accepted / self._trials if self._trials > 0 else None,
-            tested=tuple(t / cycles for t in self._tested) if cycles > 0 else (),
-            passed=tuple(p / cycles for p in self._passed) if cycles > 0 else (),
-            calibration_weight=weight, calibration_survived=survived,
-        )
-
     def warm_start(self, estimates: PolicyEstimates) -> None:
         """Start from earlier turns' estimates: their costs as a few measurements, their acceptance
-        as a few cycles (warm_*), at the length they make best (at least 1), adapting from the first
-        cycle instead of after warmup_cycles at `initial`. Nothing happens before a turn measured a
-        draft."""
+        as a few cycles (warm_*), at the length they make best, adapting from the first cycle instead
+        of after warmup_cycles at `initial`. Where they make plain decoding best, the turn starts
+        as one that just switched off, and its probe judges its own text. Nothing happens before a
+        turn measured a draft."""
         e = estimates
         if not self.adapt or e.draft_s is None or e.forward_moments is None:
             return
-        self._draft_s = e.draft_s
-        self._forward.start_from(e.forward_moments, self.warm_forwards)
-        self._speculative_overhead_s, self._ahead_overhead_s = e.speculative_overhead_s, e.ahead_overhead_s
-        self._plain_overhead_s, self._plain_seen = e.plain_overhead_s, e.plain_overhead_s is not None
-        self._pipelined = e.pipelined
-        if e.acceptance is not None:
-            self._accepted, self._trials = self.warm_trials * e.acceptance, self.warm_trials
-            self._evidence = self.warm_trials
-        self._tested = [self.warm_cycles * t for t in e.tested]
-        self._passed = [self.warm_cycles * p for p in e.passed]
-        self._calibration.start_from(e.calibration_weight, e.calibration_survived, self.warm_confidences,
-                                     self.warmup_cycles)
+        self._start_from(e, self.warm_forwards, self.warm_cycles, self.warm_trials, self.warm_confidences,
+                         self.warmup_cycles)
+        self._plain_seen = e.plain_overhead_s is not None
         self._cycles = self.warmup_cycles
-        # Where earlier turns found drafting did not pay, this turn still drafts one token first: its
-        # text may be another, and its own cycles switch it off (switch_off_after verdicts) if not.
-        self._current = max(1, self.best_k())
-
-    def _observe_positions(self, k: int, num_accepted: int) -> None:
-        """Token j was tested iff j <= num_accepted (tests stop at the first rejection)."""
-        grow = k - len(self._tested)
-        if grow > 0:
-            self._tested.extend([0.0] * grow)
-            self._passed.extend([0.0] * grow)
-        for j in range(len(self._tested)):
-            self._tested[j] *= self.decay
-            self._passed[j] *= self.decay
-        for j in range(min(k, num_accepted + 1)):
-            self._tested[j] += 1.0
-            self._passed[j] += 1.0 if j < num_accepted else 0.0
-
-    def _ewma(self, old: float | None, new: float) -> float:
-        return new if old is None else self.decay * old + (1.0 - self.decay) * new
+        self._current = self.best_k()
+        if self._current == 0:
+            self._plain_since_probe = 0
+            self._probe_interval = self._last_wait = min(self._wait, self.longest_probe_wait)

@@ -48,6 +48,7 @@ class _CycleCalls:
     draft_steps: int = 0  # draft forwards the cycle paid for (pipelined: its successor's too)
     drafted_ahead: bool = False  # pipelined: the block was drafted during the previous verify
     beside: bool = False  # pipelined: the next block was drafted during this verify
+    opened_run: bool = False  # a plain step that opened a streamed run of plain steps
 
 
 @dataclass
@@ -232,7 +233,8 @@ class SpeculativeLoop:
             overhead_s = max(0.0, cost.wall_s - draft_s - target_s)
             draft_steps = 0 if calls.drafted_ahead else calls.num_proposed
         if outcome is None:
-            self.policy.observe_plain(target_s, overhead_s, cost.target_draft_limit)
+            self.policy.observe_plain(target_s, overhead_s, cost.target_draft_limit, opened_run=calls.opened_run,
+                                      queued_s=cost.queued_s)
         else:
             self.policy.observe_cycle(outcome.num_drafted, outcome.num_accepted, draft_s, target_s, overhead_s,
                                       calls.confidences, steady=not catching_up, draft_steps=draft_steps,
@@ -358,7 +360,8 @@ class SpeculativeLoop:
         elapsed = time.perf_counter() - started
         stats.decode_seconds += elapsed
         stats.decode_steps += 1
-        self._cycle_calls = _CycleCalls(None, 0.0, elapsed)
+        opened_run = self.settings.stream_plain and self.plain_runs.opened_run
+        self._cycle_calls = _CycleCalls(None, 0.0, elapsed, opened_run=opened_run)
         cursor.tokens.extend(new_tokens)
         return new_tokens
 

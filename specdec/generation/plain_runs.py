@@ -22,11 +22,15 @@ class PlainRuns:
         self.inner_draft = inner_draft
         self._stream: AsyncIterator[list[int]] | None = None
         self._left = 0  # tokens the open run will still produce
+        # The last step opened its run: it paid the stream's opening and a whole round trip, which
+        # the run's later steps overlap (the target starts each while the last token travels).
+        self.opened_run = False
 
     async def next(self, session_id: str, position: int, run: int, stop_token_ids: Collection[int]) -> list[int] | None:
         """The next step's tokens: of the open run, or of a new one of `run` steps from `position`.
         None: the target ended the open run early (another call of the session came first); close
         it, truncate to `position`, and ask again."""
+        self.opened_run = self._stream is None
         if self._stream is None:
             extra = {"inner_draft": self.inner_draft} if self.inner_draft else {}
             self._stream = self.target.decode_stream(session_id, position, run, stop_token_ids=sorted(stop_token_ids),

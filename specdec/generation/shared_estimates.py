@@ -36,7 +36,9 @@ class PolicyEstimates:
     forward_moments: np.ndarray | None = None  # ForwardCost's sums divided by their weight
     speculative_overhead_s: float | None = None
     ahead_overhead_s: float | None = None
-    plain_overhead_s: float | None = None
+    plain_overhead_s: float | None = None  # a plain step inside a streamed run
+    opening_overhead_s: float | None = None  # a plain step that opened a run
+    probe_s: float | None = None  # a probe cycle after plain steps
     pipelined: bool = False
     acceptance: float | None = None  # accepted / acceptance tests
     tested: tuple[float, ...] = ()  # per draft position, relative to position 0's tests
@@ -69,6 +71,8 @@ def merge(old: PolicyEstimates | None, new: PolicyEstimates, keep: float) -> Pol
         speculative_overhead_s=_blend(old.speculative_overhead_s, new.speculative_overhead_s, keep),
         ahead_overhead_s=_blend(old.ahead_overhead_s, new.ahead_overhead_s, keep),
         plain_overhead_s=_blend(old.plain_overhead_s, new.plain_overhead_s, keep),
+        opening_overhead_s=_blend(old.opening_overhead_s, new.opening_overhead_s, keep),
+        probe_s=_blend(old.probe_s, new.probe_s, keep),
         pipelined=new.pipelined,
         acceptance=_blend(old.acceptance, new.acceptance, keep),
         tested=_blend(old.tested, new.tested, keep),
