@@ -149,10 +149,7 @@ async def test_next_turn_appends_to_the_session_and_equals_plain_decoding_of_the
 ):
     first = {"role": "user", "content": "What is two plus two?"}
     second = {"role": "user", "content": "And three plus three?"}
-    # Cold turns: the target as its own draft never pays, and a second turn starting from the first's
-    # estimates would decode plainly (DraftLengthPolicy.warm_start); this test is about the draft's
-    # session carried across turns, so both turns draft.
-    async with coordinator(redis_url, dirs, services, "same", adaptive_warm_start=False) as c:
+    async with coordinator(redis_url, dirs, services, "same") as c:
         turn1 = await c.generate(messages=[("user", first["content"])], max_new_tokens=12)
         session_id = turn1[-1].session_id
         info1 = await c.session(session_id)

@@ -92,8 +92,8 @@ async def test_pipeline_branches_through_the_coordinator(redis_url, dirs, servic
     """--pipeline-branches 3: plain decoding's tokens; hits by branch in the turn's stats, on the
     cycle spans and in specdec_coordinator_pipeline_branch_hits_total, consistent with each other."""
     n = 24
-    # Cold turns, as in the test above: warm, a turn whose route found drafting does not pay starts
-    # plainly (DraftLengthPolicy.warm_start), and these turns are about the pipeline's branches.
+    # Cold turns, as in the test above: warm, a turn on a route whose drafts do not pay (prompt lookup on
+    # a tiny random model) may switch off after its first cycles, before any pipelined one.
     async with coordinator(redis_url, dirs, services, draft, pipelining=True, pipeline_branches=3,
                            adaptive_warm_start=False) as c:
         totals = {"main": 0, "second_guess": 0, "rejected_last": 0}
