@@ -17,7 +17,8 @@ How it decides, beyond the textbook argmax, each because a benchmark showed the 
 - Switching off must pay for itself (round 24): the plain run's opening round trip and the probe
   that ends it cost more than a few plain steps save where drafting loses by little, so the wait
   before the next probe is as long as the saving needs to repay them (_paying_wait), and where no
-  wait up to longest_probe_wait would, it keeps drafting. Each probe that fails doubles the wait.
+  wait up to longest_probe_wait would, it keeps drafting; nor does it switch for a saving under
+  least_saving of a step, within the estimates' noise. Each probe that fails doubles the wait.
 - One plain step after the warm-up and one every explore_plain_every cycles measure what plain
   decoding costs now (under concurrency, queueing included) instead of guessing it.
 - A draft model that reports its confidences also gets a per-block stop (confidence.py): the policy
