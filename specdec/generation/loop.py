@@ -360,8 +360,8 @@ class SpeculativeLoop:
         elapsed = time.perf_counter() - started
         stats.decode_seconds += elapsed
         stats.decode_steps += 1
-        opened_run = self.settings.stream_plain and self.plain_runs.opened_run
-        self._cycle_calls = _CycleCalls(None, 0.0, elapsed, opened_run=opened_run)
+        # Without streaming, plain_runs is never used and says False: each step is a call of its own.
+        self._cycle_calls = _CycleCalls(None, 0.0, elapsed, opened_run=self.plain_runs.opened_run)
         cursor.tokens.extend(new_tokens)
         return new_tokens
 
