@@ -322,13 +322,25 @@ def test_target_batches_are_read_from_the_targets_metrics():
     for rows in (4, 4, 2):
         metrics.batch_size.labels("decode").observe(rows)
         metrics.tokens.labels("decode").inc(rows)
+        metrics.step_latency.labels("decode").observe(0.010)
     metrics.batch_size.labels("mixed").observe(3)
     metrics.tokens.labels("mixed").inc(7)
+    metrics.step_latency.labels("mixed").observe(0.030)
     metrics.batch_size.labels("prefill").observe(1)
     metrics.tokens.labels("prefill").inc(300)
+    metrics.step_latency.labels("prefill").observe(1.0)
     counts: dict = {}
     target_batches.add_difference(counts, before, target_batches.snapshot(generate_latest(registry).decode()))
-    assert target_batches.summary(counts) == {"steps": 4, "rows_per_step": 13 / 4, "tokens_per_step": 17 / 4}
+    summary = target_batches.summary(counts)
+    assert summary.pop("step_ms") == pytest.approx(15.0)  # (3 x 10 + 30) / 4 steps, the prefill apart
+    by_kind = summary.pop("step_ms_by_kind")
+    assert by_kind.keys() == {"decode", "mixed"}
+    assert by_kind["decode"]["steps"] == 3 and by_kind["decode"]["step_ms"] == pytest.approx(10.0)
+    assert by_kind["mixed"]["steps"] == 1 and by_kind["mixed"]["step_ms"] == pytest.approx(30.0)
+    assert summary == {"steps": 4, "rows_per_step": 13 / 4, "tokens_per_step": 17 / 4}
+    # A report written before the step seconds were read still summarises (no milliseconds).
+    assert target_batches.summary({"steps": 2.0, "rows": 4.0, "tokens": 4.0}) == \
+        {"steps": 2, "rows_per_step": 2.0, "tokens_per_step": 2.0}
 
 
 def test_engine_timings_leave_out_a_shapes_first_forward(models):

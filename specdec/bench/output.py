@@ -124,11 +124,12 @@ def _overhead(m: dict) -> str:
 
 
 def _batches(m: dict) -> str:
-    """The target's batched steps during the method's run: "steps, rows per step"."""
+    """The target's batched steps during the method's run: "steps, rows per step, ms per step"."""
     batches = m.get("target_batches")
     if not batches or batches["rows_per_step"] is None:
         return "-"
-    return f"{batches['steps']}, {batches['rows_per_step']:.2f}"
+    step_ms = f", {batches['step_ms']:.1f}" if batches.get("step_ms") is not None else ""
+    return f"{batches['steps']}, {batches['rows_per_step']:.2f}{step_ms}"
 
 
 def tables(report: dict) -> str:
@@ -162,13 +163,13 @@ def tables(report: dict) -> str:
     if report.get("concurrency"):
         lines.append("")
         lines.append(f"{'sessions':<9} {'method':<22} {'tok/s':>7} {'vs plain':>8} {'TPOT p50/p99 ms':>16} {'TTFT p50':>9}"
-                     f" {'overhead/cycle':>14} {'target steps, rows/step':>24}")
+                     f" {'overhead/cycle':>14} {'target steps, rows/step, ms':>28}")
         for level, table in sorted(report["concurrency"].items(), key=lambda kv: int(kv[0])):
             for name, m in table.items():
                 tpot = f"{_f(m['tpot_p50_s'], '{:.1f}', 1e3)}/{_f(m['tpot_p99_s'], '{:.1f}', 1e3)}"
                 lines.append(f"{level:<9} {name:<22} {_f(m['tokens_per_s'], '{:.1f}'):>7} "
                              f"{_f(m.get('throughput_vs_plain')):>8} {tpot:>16} {_f(m['ttft_p50_s'], '{:.0f}', 1e3):>7}ms"
-                             f" {_overhead(m):>14} {_batches(m):>24}{_rounds(m)}")
+                             f" {_overhead(m):>14} {_batches(m):>28}{_rounds(m)}")
     if report.get("netem"):
         lines.append("")
         lines.append(f"network delay ({report['netem']['network']['mode']}), batch 1:")
