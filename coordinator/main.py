@@ -97,7 +97,8 @@ def build(settings: CoordinatorSettings, *, tracer_provider=None, registry=None,
                           settings.pipelining,
                           settings.pipelining_min_full_accept, settings.pipeline_branches,
                           plain_streaming=settings.plain_streaming, inner_draft=settings.inner_draft,
-                          adaptive_warm_start=settings.adaptive_warm_start),
+                          adaptive_warm_start=settings.adaptive_warm_start,
+                          feed_draft_every=settings.feed_draft_every),
     )
     sessions = SessionManager(store, router, prompts, telemetry, settings.limits, config, status_name)
     canary = None

@@ -71,6 +71,7 @@ class CoordinatorSettings:
     pipelining_min_full_accept: float = 0.0  # --pipelining auto: only while blocks are accepted whole this often
     pipeline_branches: int = 1  # branches per speculative draft (specdec.engine.alternatives)
     plain_streaming: bool = True  # --plain-decoding stream: a run of plain steps is one DecodeStream
+    feed_draft_every: int = 8  # --feed-draft-every (specdec.generation.draft_feed); 0: off
     limits: Limits = Limits()
     session_ttl_s: float = 3600.0
     owner_lease_s: float = 10.0
@@ -106,6 +107,8 @@ class CoordinatorSettings:
             raise ConfigError(f"--pipelining-min-full-accept must be in [0, 1], got {self.pipelining_min_full_accept}")
         if not 1 <= self.pipeline_branches <= 3:
             raise ConfigError(f"--pipeline-branches must be 1, 2 or 3, got {self.pipeline_branches}")
+        if self.feed_draft_every < 0:
+            raise ConfigError(f"--feed-draft-every must be >= 0 (0: off), got {self.feed_draft_every}")
         if self.retry_draft_after < 0:
             raise ConfigError(f"--retry-draft-after must be >= 0, got {self.retry_draft_after}")
         for name in ("session_ttl_s", "owner_lease_s", "failover_timeout_s", "redis_timeout_s"):
@@ -172,6 +175,10 @@ def add_arguments(parser: argparse.ArgumentParser, environ=os.environ) -> None:
                         "failed) is one streamed call, the target starting each step while the last token "
                         "travels; calls: one Decode call per token (targets older than DecodeStream are "
                         "detected and get calls anyway)")
+    g.add_argument("--feed-draft-every", type=int, default=8,
+                   help="while a session's adaptive draft length has switched speculation off, hand the draft "
+                        "the plainly decoded tokens in the background every this many tokens, so that the probe "
+                        "ending the plain run does not prefill them first (0: off; docs/PIPELINING.md)")
     g.add_argument("--retry-draft-after", type=int, default=8,
                    help="plain decoding steps after a draft failure before speculation is tried again")
     g.add_argument("--max-new-tokens", type=int, default=256, help="a turn's budget when the request sets none")
@@ -207,6 +214,7 @@ def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
         retry_draft_after=args.retry_draft_after, pipelining=args.pipelining != "off",
         pipelining_min_full_accept=args.pipelining_min_full_accept if args.pipelining == "auto" else 0.0,
         pipeline_branches=args.pipeline_branches, plain_streaming=args.plain_decoding == "stream",
+        feed_draft_every=args.feed_draft_every,
         limits=Limits(args.max_new_tokens, args.max_new_tokens_limit, args.max_draft_tokens),
         session_ttl_s=args.session_ttl, owner_lease_s=args.owner_lease, failover_timeout_s=args.failover_timeout,
         redis_timeout_s=args.redis_timeout,

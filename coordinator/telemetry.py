@@ -144,6 +144,9 @@ class TurnObserver(LoopObserver):
             span.set_attribute(spans.SPECDEC_PIPELINE_BRANCH, branch)
             self.telemetry.metrics.pipeline_branch_hits.labels(self.pool, self.proposer, branch).inc()
 
+    def fed_draft(self) -> None:
+        self.telemetry.metrics.draft_feeds.labels(self.pool, self.proposer).inc()
+
     def fell_back(self, error: Exception) -> None:
         self.telemetry.metrics.fallbacks.labels(self.pool, self.proposer, fallback_reason(error)).inc()
         self._pending += SessionStats(fallbacks=1)

@@ -76,6 +76,7 @@ class TurnSettings:
     plain_streaming: bool = True  # --plain-decoding
     inner_draft: str = ""  # --draft target:ngram / target:model: speculative turns draft inside the target
     adaptive_warm_start: bool = True  # --adaptive-warm-start
+    feed_draft_every: int = 8  # --feed-draft-every
 
 
 @dataclass(frozen=True)
@@ -206,6 +207,7 @@ class Turn:
                                      pipelining=pipelining, pipeline_min_full_accept=gate,
                                      pipeline_branches=self.settings.pipeline_branches,
                                      stream_plain=self.settings.plain_streaming,
+                                     feed_draft_every=self.settings.feed_draft_every,
                                      inner_draft=self._inner_draft(),
                                      shared_estimates=self._shared_estimates(adaptive, pipelining))
         loop = SpeculativeLoop(self.target, self.draft, loop_settings, self.observer)

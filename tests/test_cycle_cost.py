@@ -9,7 +9,8 @@ import pytest
 
 from specdec.engine.batcher import Batcher, StepTiming
 from specdec.engine.target_stream import decode_steps
-from specdec.engine.cycle_cost import DRAFT, TARGET, CycleCost, beside_verify, measure_cycle, report_model_time
+from specdec.engine.cycle_cost import (DRAFT, TARGET, CycleCost, beside_verify, measure_cycle, report_model_time,
+                                       unmeasured)
 from specdec.generation.loop import LoopObserver, LoopSettings, SpeculativeLoop
 from specdec.generation.stats import SpeculationStats
 from specdec.generation.stopping import StopChecker
@@ -202,3 +203,18 @@ async def test_beside_verify_marks_only_the_concurrent_task_s_calls():
         await asyncio.gather(verify(), speculative_propose())
         report_model_time(DRAFT, 0.001)  # after: the task's mark did not leak into the loop's context
     assert (cost.draft_model_s, cost.overlapped_draft_model_s) == pytest.approx((0.006, 0.003))
+
+
+async def test_a_background_feed_reports_into_no_cycle():
+    """The draft fed in the background while the session decodes plainly (draft_feed.py): its task
+    copies the spawning cycle's context, but its model time must not price that plain step."""
+    async def feed():
+        with unmeasured():
+            await asyncio.sleep(0.001)
+            report_model_time(DRAFT, 0.005)
+
+    with measure_cycle() as cost:
+        report_model_time(TARGET, 0.004)
+        await asyncio.get_running_loop().create_task(feed())
+        report_model_time(TARGET, 0.001)  # the cycle's own context is untouched after it
+    assert (cost.draft_model_s, cost.target_model_s) == (0.0, pytest.approx(0.005))

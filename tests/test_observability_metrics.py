@@ -33,6 +33,7 @@ async def test_metrics_endpoint_serves_the_service_registry():
     metrics.observe_cycle(*labels, num_draft_tokens=4, num_accepted=2)
     metrics.fallbacks.labels(*labels, "draft_unavailable").inc()
     metrics.pipeline_hits.labels(*labels).inc()
+    metrics.draft_feeds.labels(*labels).inc()
     metrics.requests.labels(*labels, "OK").inc()
 
     settings = ServerSettings(port=0, metrics_port=0, plaintext=True, grace_period_s=0.0)
@@ -50,6 +51,7 @@ async def test_metrics_endpoint_serves_the_service_registry():
         "specdec_coordinator_cycles_total",
         "specdec_coordinator_fallbacks_total",
         "specdec_coordinator_pipeline_hits_total",
+        "specdec_coordinator_draft_feeds_total",
         "specdec_coordinator_requests_total",
         "process_cpu_seconds_total",
     ):

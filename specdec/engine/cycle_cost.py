@@ -106,6 +106,17 @@ def beside_verify() -> Iterator[None]:
         _beside_verify.reset(token)
 
 
+@contextlib.contextmanager
+def unmeasured() -> Iterator[None]:
+    """The enclosed calls belong to no cycle: a background task's (specdec.generation.draft_feed),
+    whose context, copied from the cycle that spawned it, would otherwise report into that cycle."""
+    token = _current.set(None)
+    try:
+        yield
+    finally:
+        _current.reset(token)
+
+
 def report_draft_limit(num_tokens: int | None) -> None:
     """The target said how many drafted tokens it would have verified in the cycle's plain step."""
     cost = _current.get()

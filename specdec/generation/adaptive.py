@@ -96,6 +96,12 @@ class DraftLengthPolicy(Measurements):
         """Speculative cycles observed (a warm start counts as warmup_cycles of them)."""
         return self._cycles
 
+    @property
+    def switched_off(self) -> bool:
+        """Speculation is off by the policy's own verdict until a probe (not while the target refuses
+        drafts: that may last, and the probe waits for the target to say so)."""
+        return self._current == 0 and not self._target_refuses
+
     def next_k(self) -> int:
         """How many tokens to draft in the next cycle (0: decode plainly)."""
         if self._current == 0:

@@ -23,6 +23,7 @@ from specdec.engine.cycle_cost import CycleCost, measure_cycle
 from specdec.engine.inner_draft import PROPOSERS as INNER_PROPOSERS
 from specdec.errors import ServiceUnavailable, SessionNotFound
 from specdec.generation.adaptive import DraftLengthPolicy
+from specdec.generation.draft_feed import DraftFeed
 from specdec.generation.pipeline import PipelinedDrafting
 from specdec.generation.plain_runs import PlainRuns
 from specdec.generation.shared_estimates import SharedEstimates, SharingPolicy
@@ -68,6 +69,10 @@ class LoopSettings:
     # knows it will decode plainly, is one call whose next step the target starts while the last
     # token travels, instead of one round trip per token. False: one Decode call per token.
     stream_plain: bool = True
+    # While the adaptive length has switched speculation off, hand the draft the plainly decoded
+    # tokens in the background every this many tokens, so that the probe ending the plain run does
+    # not prefill them on its critical path (draft_feed.py). 0: off.
+    feed_draft_every: int = 8
     # Drafts made inside the target (specdec.engine.inner_draft): streamed plain steps draft and verify
     # in the step, no draft call and no round trip per cycle. For a loop without a draft (--draft
     # target:ngram or target:model); None: off.
@@ -123,6 +128,9 @@ class LoopObserver:
     def fell_back(self, error: Exception) -> None:
         """The draft failed; the next cycles decode plainly."""
 
+    def fed_draft(self) -> None:
+        """Speculation being off, plainly decoded tokens went to the draft in the background."""
+
     def pipelined(self, hit: bool, branch: str | None = None) -> None:
         """A pipelined cycle's speculative block was confirmed (hit; branch: which kind, "main",
         "second_guess" or "rejected_last") or discarded (miss)."""
@@ -158,6 +166,7 @@ class SpeculativeLoop:
         # Plain steps, streamed in runs (plain_runs.py); with target lookup, steps that may speculate.
         self.plain_runs = PlainRuns(target, self.settings.inner_draft if self.settings.stream_plain else None)
         self._policy_plain = False  # the policy chose this cycle's plain step (not the budget)
+        self.feed = DraftFeed(self, self.settings.feed_draft_every if draft is not None else 0)
         # An adaptive length starts from the route's shared estimates and adds its own to them.
         shared = self.settings.shared_estimates
         self.sharing = SharingPolicy(shared, self.policy) if shared is not None and self.policy is not None \
@@ -175,6 +184,7 @@ class SpeculativeLoop:
         finally:  # an error or a cancelled turn: the next turn truncates the target to its record
             if self.sharing is not None:
                 self.sharing.share(ended=True)
+            await self.feed.cancel()
             await self.plain_runs.close()
 
     async def _run(self, cursor: SessionCursor, stop: StopChecker, emit: TokenSink, stats: SpeculationStats,
@@ -283,6 +293,8 @@ class SpeculativeLoop:
 
     async def _propose_or_fall_back(self, cursor: SessionCursor, k: int):
         """A proposal of k tokens, or None when the draft failed (the caller decodes plainly)."""
+        await self.feed.settle()  # the draft's messages in order; the cursor says what it holds
+        self._draft_catching_up = False  # a feed's catch-up was off this cycle's path; its own may not be
         try:
             with self.observer.step("propose"):
                 return await self._propose(cursor, k)
@@ -363,6 +375,8 @@ class SpeculativeLoop:
         # Without streaming, plain_runs is never used and says False: each step is a call of its own.
         self._cycle_calls = _CycleCalls(None, 0.0, elapsed, opened_run=self.plain_runs.opened_run)
         cursor.tokens.extend(new_tokens)
+        if self._policy_plain and self.policy is not None and self.policy.switched_off:
+            await self.feed.after_plain_step(cursor, self.plain_runs.left)
         return new_tokens
 
     async def _next_plain(self, cursor: SessionCursor, stop: StopChecker, run: int) -> list[int]:
@@ -382,6 +396,7 @@ class SpeculativeLoop:
     async def _settle_draft(self, cursor: SessionCursor) -> None:
         """Leave the draft holding only committed tokens (a prefix of the committed sequence), so
         the next turn, or another coordinator, starts from a known state."""
+        await self.feed.settle()
         if not cursor.draft_ready:
             return
         keep = self._common_prefix(cursor)

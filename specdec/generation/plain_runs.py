@@ -45,6 +45,11 @@ class PlainRuns:
             self._stream, self._left = None, 0
         return tokens
 
+    @property
+    def left(self) -> int:
+        """Tokens the open run will still produce (0: none open)."""
+        return self._left
+
     async def close(self) -> bool:
         """End the open run, if any; True if it ended before its last step (the target may hold a
         step more than was read: truncate it to the caller's position)."""

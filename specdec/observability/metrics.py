@@ -143,6 +143,12 @@ class CoordinatorMetrics:
             (*POOL_LABELS, "reason"),
             **common,
         )
+        self.draft_feeds = Counter(
+            "draft_feeds",
+            "Plainly decoded tokens handed to the draft in the background while speculation was switched off "
+            "(feeds, each up to --feed-draft-every tokens), so that the next probe does not prefill them first.",
+            POOL_LABELS, **common,
+        )
         self.pipeline_hits = Counter(
             "pipeline_hits", "Pipelined drafts confirmed by the verify outcome.", POOL_LABELS, **common
         )
