@@ -178,7 +178,7 @@ def add_arguments(parser: argparse.ArgumentParser, environ=os.environ) -> None:
     g.add_argument("--feed-draft-every", type=int, default=8,
                    help="while a session's adaptive draft length has switched speculation off, hand the draft "
                         "the plainly decoded tokens in the background every this many tokens, so that the probe "
-                        "ending the plain run does not prefill them first (0: off; docs/PIPELINING.md)")
+                        "ending the plain run does not prefill them first (0: off; docs/DEPLOYMENT.md)")
     g.add_argument("--retry-draft-after", type=int, default=8,
                    help="plain decoding steps after a draft failure before speculation is tried again")
     g.add_argument("--max-new-tokens", type=int, default=256, help="a turn's budget when the request sets none")

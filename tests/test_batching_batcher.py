@@ -222,7 +222,8 @@ class TimedThread:
     async def run(self, fn, *args):
         self.steps.append(sorted(w.session_id for w in args[0]))
         await asyncio.sleep(self.step_s)
-        return fn(*args)
+        results, _, ended = fn(*args)  # Batcher._timed_step: the step as timed on the model thread
+        return results, ended - int(self.step_s * 1e9), ended  # which it ran for step_s
 
 
 class Work:
@@ -263,8 +264,7 @@ async def test_a_session_that_comes_back_late_is_not_waited_for():
     async def client(session_id: str, rounds: int, away_s: float):
         for _ in range(rounds):
             _, timing = await batcher.submit_timed(Work(session_id))
-            # TimedThread sleeps before the step function runs: its queued time includes the step.
-            waits[session_id].append(timing.queued_ns * 1e-9 - 0.03)
+            waits[session_id].append(timing.queued_ns * 1e-9)
             await asyncio.sleep(away_s)
 
     await asyncio.gather(client("fast", 24, 0.001), client("slow", 5, 0.1))
@@ -272,3 +272,28 @@ async def test_a_session_that_comes_back_late_is_not_waited_for():
     # Only after the first step shared with "slow" (its gap unknown yet) did "fast" wait out the
     # window; without the gaps it waits after every step "slow" was in.
     assert sum(wait > 0.01 for wait in waits["fast"]) <= 1, waits["fast"]
+
+
+async def test_a_step_reports_its_own_duration_not_its_wait_for_the_model_thread():
+    """Work outside the batcher (a prefill) may hold the model thread when a step is due: the step's
+    seconds (the target's step_seconds metric, the gather window's unit) are the step's own."""
+    import time
+
+    seen: list[float] = []
+    executor = ModelExecutor("test-step-time")
+
+    def step(works):
+        time.sleep(0.01)
+        return list(works)
+
+    batcher = Batcher(executor, step, max_batch_size=4, on_step=lambda works, results, seconds: seen.append(seconds))
+    try:
+        blocker = asyncio.ensure_future(executor.run(time.sleep, 0.2))  # a prefill holding the model thread
+        await asyncio.sleep(0.01)
+        assert await batcher.submit("work") == "work"
+        await blocker
+        await asyncio.sleep(0.01)  # on_step runs after the callers
+    finally:
+        await batcher.aclose()
+        executor.shutdown()
+    assert len(seen) == 1 and 0.009 <= seen[0] < 0.1

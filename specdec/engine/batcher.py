@@ -213,7 +213,11 @@ class Batcher(Generic[W, R]):
             log.exception("batched step of %d items failed", len(works))
             results = [exc] * len(works)
         self._last_end = time.perf_counter()
-        elapsed = self._last_seconds = self._last_end - started
+        # The step's own duration, not its wait for the model thread behind other work there (a
+        # prefill runs outside the batcher): as a metric it is "one batched forward pass", and as
+        # the gather window's unit a step that queued behind prefills stretched the next window.
+        elapsed = self._last_seconds = (step_end - step_start) * 1e-9 if step_end > step_start \
+            else self._last_end - started
         self._recent = {self.key(work) for work in works}
         for key in self._recent:
             self._served_at[key] = self._last_end
