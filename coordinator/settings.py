@@ -71,7 +71,7 @@ class CoordinatorSettings:
     pipelining_min_full_accept: float = 0.0  # --pipelining auto: only while blocks are accepted whole this often
     pipeline_branches: int = 1  # branches per speculative draft (specdec.engine.alternatives)
     plain_streaming: bool = True  # --plain-decoding stream: a run of plain steps is one DecodeStream
-    feed_draft_every: int = 8  # --feed-draft-every (specdec.generation.draft_feed); 0: off
+    feed_draft_every: int = 0  # --feed-draft-every (specdec.generation.draft_feed); 0: off
     limits: Limits = Limits()
     session_ttl_s: float = 3600.0
     owner_lease_s: float = 10.0
@@ -175,10 +175,11 @@ def add_arguments(parser: argparse.ArgumentParser, environ=os.environ) -> None:
                         "failed) is one streamed call, the target starting each step while the last token "
                         "travels; calls: one Decode call per token (targets older than DecodeStream are "
                         "detected and get calls anyway)")
-    g.add_argument("--feed-draft-every", type=int, default=8,
+    g.add_argument("--feed-draft-every", type=int, default=0,
                    help="while a session's adaptive draft length has switched speculation off, hand the draft "
-                        "the plainly decoded tokens in the background every this many tokens, so that the probe "
-                        "ending the plain run does not prefill them first (0: off; docs/DEPLOYMENT.md)")
+                        "the plainly decoded tokens in the background every this many tokens (e.g. 8), so that the "
+                        "probe ending the plain run does not prefill them first (0, the default: off; "
+                        "docs/DEPLOYMENT.md)")
     g.add_argument("--retry-draft-after", type=int, default=8,
                    help="plain decoding steps after a draft failure before speculation is tried again")
     g.add_argument("--max-new-tokens", type=int, default=256, help="a turn's budget when the request sets none")

@@ -76,7 +76,7 @@ class TurnSettings:
     plain_streaming: bool = True  # --plain-decoding
     inner_draft: str = ""  # --draft target:ngram / target:model: speculative turns draft inside the target
     adaptive_warm_start: bool = True  # --adaptive-warm-start
-    feed_draft_every: int = 8  # --feed-draft-every
+    feed_draft_every: int = 0  # --feed-draft-every
 
 
 @dataclass(frozen=True)

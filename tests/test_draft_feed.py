@@ -182,7 +182,7 @@ def test_the_coordinator_flag_sets_the_feed_interval():
     parser = argparse.ArgumentParser()
     add_arguments(parser, environ={})
     base = ["--plaintext", "--tokenizer", "t", "--redis-url", "redis://x", "--target-plaintext", "--draft-plaintext"]
-    assert settings_from_args(parser.parse_args(base)).feed_draft_every == 8
-    assert settings_from_args(parser.parse_args(base + ["--feed-draft-every", "0"])).feed_draft_every == 0
+    assert settings_from_args(parser.parse_args(base)).feed_draft_every == 0  # off unless asked for
+    assert settings_from_args(parser.parse_args(base + ["--feed-draft-every", "8"])).feed_draft_every == 8
     with pytest.raises(ConfigError, match="--feed-draft-every must be >= 0"):
         settings_from_args(parser.parse_args(base + ["--feed-draft-every", "-1"]))

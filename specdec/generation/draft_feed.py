@@ -16,6 +16,10 @@ loop waits for the feed in flight (settle), so the draft's messages stay in orde
 says what the draft holds. A feed that fails leaves the draft to be reopened by the next Propose,
 as any draft failure does; it never fails the request.
 
+Off by default (the coordinator's --feed-draft-every): on two H200s at acceptance 0.6 probes that
+cost less made the switch-off rule (_paying_wait) switch off twice as often, at the same speed
+within 1%, and a CPU sweep came out 3% slower, within its spread (docs/BENCHMARKS.md, round 25).
+
 The feed's model time belongs to no cycle (its context leaves the cycle being measured): it is
 off every critical path, and charged to the plain step that spawned it, it would price plain
 decoding as dearer than it is.

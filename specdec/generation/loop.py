@@ -71,8 +71,8 @@ class LoopSettings:
     stream_plain: bool = True
     # While the adaptive length has switched speculation off, hand the draft the plainly decoded
     # tokens in the background every this many tokens, so that the probe ending the plain run does
-    # not prefill them on its critical path (draft_feed.py). 0: off.
-    feed_draft_every: int = 8
+    # not prefill them on its critical path (draft_feed.py). 0: off (the default: no gain measured yet).
+    feed_draft_every: int = 0
     # Drafts made inside the target (specdec.engine.inner_draft): streamed plain steps draft and verify
     # in the step, no draft call and no round trip per cycle. For a loop without a draft (--draft
     # target:ngram or target:model); None: off.
