@@ -9,6 +9,7 @@ the target and the draft as services in their own processes, over gRPC stream me
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 import pytest
@@ -54,8 +55,6 @@ def plain_tokens(dirs):
 
 
 def _plain(engine: TargetEngine) -> list[int]:
-    import asyncio
-
     async def go():
         target = LocalTarget(engine)
         cursor, first = await start_generation(target, "plain", PROMPT, SamplingParams())
