@@ -394,3 +394,20 @@ def test_concurrency_ratios_are_reported_per_round():
     assert m["throughput_vs_plain_by_round"] == [0.5, 1.0]
     assert abs(m["throughput_vs_plain"] - 40 / 4 / (40 / 3)) < 1e-9  # pooled: tokens / summed walls
     assert _rounds(m) == "  rounds 0.50-1.00, median 0.75"
+
+
+def test_overhead_parts_are_split_only_where_every_call_lay_on_the_cycles_path():
+    """A pipelined Propose's round trip runs beside the verify: counted in the calls, it made the
+    coordinator's part negative, so methods with pipelined cycles get the overhead but no split."""
+    from specdec.bench.report import cycle_cost
+
+    sequential = {"timed_cycles": 10, "cycle_seconds": 1.0, "draft_model_seconds": 0.2, "target_model_seconds": 0.7,
+                  "call_seconds": 0.97, "handler_seconds": 0.93, "queued_seconds": 0.01}
+    parts = cycle_cost(sequential)["overhead_parts_s_per_cycle"]
+    assert parts == pytest.approx({"coordinator": 0.003, "transport": 0.004, "service_queued": 0.001,
+                                   "service_other": 0.002})
+    pipelined = {**sequential, "call_seconds": 1.15, "handler_seconds": 1.1, "pipeline_hits": 2, "pipeline_misses": 5,
+                 "hidden_draft_model_seconds": 0.1}
+    cost = cycle_cost(pipelined)
+    assert "overhead_parts_s_per_cycle" not in cost
+    assert cost["overhead_s_per_cycle"] == pytest.approx(0.02)  # (1.0 - 0.9 + 0.1) / 10
