@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from service_procs import REPO, tiny_model_dir
@@ -257,9 +258,24 @@ def test_a_speculative_method_that_never_speculated_is_flagged():
     assert did_not_speculate(overall) == ["specdec-draft"]
 
 
+def test_a_spread_gives_each_prompt_its_own_alpha_around_the_named_one():
+    from specdec.errors import InvalidArgument
+    from specdec.proposers.replay import ReplayProposer, reference_alphas
+
+    alphas = reference_alphas(5, 0.7, 0.2, seed=0)
+    assert sorted(alphas) == pytest.approx([0.5, 0.6, 0.7, 0.8, 0.9]) and np.mean(alphas) == pytest.approx(0.7)
+    assert alphas == reference_alphas(5, 0.7, 0.2, seed=0)  # runs repeat
+    assert {tuple(reference_alphas(5, 0.7, 0.2, seed=s)) for s in range(6)} != {tuple(alphas)}  # seeded order
+    assert reference_alphas(4, 0.9, 0.3, seed=1).count(1.0) == 2  # clipped to [0, 1]: 0.6, 0.8, 1.0, 1.0
+    assert reference_alphas(3, 0.6, 0.0, seed=0) == [0.6] * 3 and reference_alphas(1, 0.6, 0.4, seed=0) == [0.6]
+    with pytest.raises(InvalidArgument, match="spread must be in"):
+        ReplayProposer(None, [], 0.6, spread=-0.1)
+
+
 def test_a_replay_draft_hosted_by_the_target_accepts_what_alpha_says(models, tmp_path):
     """specdec-replay-target: the target service hosts the draft and replays the target's greedy
-    tokens with probability alpha (bench/replay_target.py), next to the draft service's replay."""
+    tokens with probability alpha (bench/replay_target.py), next to the draft service's replay.
+    With --replay-alpha-spread 0.1 the two prompts replay at 0.8 and 1.0, in both services."""
     target, draft = models
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"question_id": i, "category": "qa", "turns": [t]}) + "\n"
@@ -268,15 +284,22 @@ def test_a_replay_draft_hosted_by_the_target_accepts_what_alpha_says(models, tmp
     result = subprocess.run(
         [sys.executable, "-m", "specdec.cli", "bench", "--target", str(target), "--draft", str(draft),
          "--prompts", str(prompts), "--max-new-tokens", "32", "--threads", "1", "--timing-repeats", "1",
-         "--methods", "plain,specdec-replay-target", "--replay-alpha", "0.9", "--ignore-eos", "--no-progress",
-         "--out", str(out), "--log-dir", str(tmp_path / "logs")],
+         "--methods", "plain,specdec-replay-target", "--replay-alpha", "0.9", "--replay-alpha-spread", "0.1",
+         "--ignore-eos", "--no-progress", "--out", str(out), "--log-dir", str(tmp_path / "logs")],
         cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    overall = json.loads(out.read_text())["batch1"]["overall"]
+    report = json.loads(out.read_text())
+    overall = report["batch1"]["overall"]
+    assert report["meta"]["replay"] == {"alphas": [0.9], "seed": 0, "alpha_spread": 0.1}
     for method in ("specdec-replay-0.9", "specdec-replay-target-0.9"):
         assert overall[method]["lossless_fraction"] == 1.0 and overall[method]["cycles"] > 0, method
         assert overall[method]["acceptance_rate"] > 0.7, method  # the replayed tokens are the target's
+        # One prompt at alpha 1.0 (every drafted token accepted), the other at 0.8 (about 30 tokens
+        # drafted: all accepted with probability ~0.001).
+        whole = sorted(r["stats"]["accepted"] == r["stats"]["drafted"] > 0
+                       for r in report["requests"] if r["method"] == method)
+        assert whole == [False, True], method
     assert list((tmp_path / "logs").glob("*replay_target*"))  # the target ran as the replay target
 
 

@@ -97,6 +97,8 @@ def assemble(bench: Bench, collected: Collected) -> dict:
                                             "...@k<N> name draft length N"},
             "extra_service_flags": {"target": list(c.target_args), "draft": list(c.draft_args),
                                     "coordinator": list(c.coordinator_args)},
+            "replay": {"alphas": list(c.replay_alphas), "seed": c.replay_seed,
+                       "alpha_spread": c.replay_alpha_spread} if c.replay_alphas else None,
             "runs": c.runs, "seed": c.seed,
             "order": "batch 1: per prompt every method once, order rotated from prompt to prompt (base order "
                      "shuffled with the seed); engine step times measured in the same rotation",

@@ -4,6 +4,7 @@ benchmarks). Every draft service flag applies (--proposer draft-model --model DI
     --replay-alpha A             probability that a proposed token is the target's greedy token
     --replay-references FILE     JSON {"references": [[prompt + greedy output ids], ...]}
     --replay-seed S
+    --replay-alpha-spread W      each prompt's alpha evenly spaced over A +- W (default 0: A for all)
 
 The draft service is built as usual (draft_service.main.build_engine); only its proposer is swapped
 for a ReplayProposer around the same loaded model, so the forward passes and their batching are the
@@ -20,11 +21,14 @@ from pathlib import Path
 
 
 def parse_with_replay(parser, prog: str, argv: list[str] | None):
-    """A service's own flags plus --replay-alpha / --replay-references / --replay-seed; logging set up."""
+    """A service's own flags plus --replay-alpha / --replay-references / --replay-seed / --replay-alpha-spread;
+    logging set up."""
     parser.prog = prog
     parser.add_argument("--replay-alpha", type=float, required=True)
     parser.add_argument("--replay-references", type=Path, required=True)
     parser.add_argument("--replay-seed", type=int, default=0)
+    parser.add_argument("--replay-alpha-spread", type=float, default=0.0,
+                        help="each prompt's alpha evenly spaced over alpha +- this (proposers/replay.py)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args
@@ -35,7 +39,8 @@ def replaying(engine, args):
     from specdec.proposers.replay import ReplayProposer
 
     references = json.loads(args.replay_references.read_text())["references"]
-    engine.proposer = ReplayProposer(engine.proposer.model, references, args.replay_alpha, args.replay_seed)
+    engine.proposer = ReplayProposer(engine.proposer.model, references, args.replay_alpha, args.replay_seed,
+                                     args.replay_alpha_spread)
     return engine
 
 

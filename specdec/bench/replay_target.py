@@ -5,6 +5,7 @@ applies (--inner-draft DIR is required), plus:
     --replay-alpha A             probability that a drafted token is the target's greedy token
     --replay-references FILE     JSON {"references": [[prompt + greedy output ids], ...]}
     --replay-seed S
+    --replay-alpha-spread W      each prompt's alpha evenly spaced over A +- W (default 0: A for all)
 
 The hosted draft is loaded as usual (target_service.main.load_inner_draft); only its proposer is
 swapped for a ReplayProposer around the same loaded model, so the draft's forward passes and their

@@ -40,6 +40,7 @@ class BenchConfig:
     methods: tuple[str, ...] = ()  # empty: every method
     replay_alphas: tuple[float, ...] = ()  # one replay method per alpha (model-scale runs)
     replay_seed: int = 0
+    replay_alpha_spread: float = 0.0  # each prompt's alpha over alpha +- this (proposers/replay.py)
     ignore_eos: bool = False  # random-weight models: always generate max_new_tokens
     runs: int = 1
     concurrency: tuple[int, ...] = (1,)
@@ -88,6 +89,8 @@ class Bench:
         self.target_dir = resolve(c.target, c)
         self.draft_dir = resolve(c.draft, c) if c.draft else None
         self.methods, self.skipped = choose_methods(list(c.methods), self.draft_dir is not None, c.replay_alphas)
+        if c.replay_alpha_spread and not c.replay_alphas:
+            raise ValueError("--replay-alpha-spread spreads the replay methods' alpha: give --replay-alpha too")
         self.fixed_ks, self.server_policy = parse_k_policy(c.k_policy, c.num_draft_tokens)
         self.server_only = not self.fixed_ks  # every speculative request lets the coordinator choose
         if not self.server_only:  # other lengths and the coordinator's policy, as methods of their own
@@ -120,7 +123,8 @@ class Bench:
                               c.threads, num_slots=max(8, max(c.concurrency) + 4), cuda_graphs=c.cuda_graphs,
                               max_context=c.max_context,
                               num_draft_tokens=c.num_draft_tokens, replay_references=self.references,
-                              replay_seed=c.replay_seed, extra_env=dict(c.extra_env), target_args=tuple(c.target_args),
+                              replay_seed=c.replay_seed, replay_alpha_spread=c.replay_alpha_spread,
+                              extra_env=dict(c.extra_env), target_args=tuple(c.target_args),
                               draft_args=tuple(c.draft_args),
                               replay_target_alpha=next((float(m[len(REPLAY_TARGET_PREFIX):]) for m in self.methods
                                                         if m.startswith(REPLAY_TARGET_PREFIX)), None),

@@ -31,6 +31,7 @@ class ServiceOptions:
     max_context: int | None = None
     replay_references: Path | None = None  # replay proposers (model-scale runs): references file
     replay_seed: int = 0
+    replay_alpha_spread: float = 0.0  # each prompt's alpha over alpha +- this (proposers/replay.py)
     replay_target_alpha: float | None = None  # the target hosts a replay draft (bench/replay_target.py)
     extra_env: dict = field(default_factory=dict)
     target_args: tuple[str, ...] = ()  # extra flags for the target service
@@ -63,7 +64,8 @@ def draft_specs(options: ServiceOptions, proposers: list[str]) -> dict[str, tupl
             specs[name] = ("specdec.bench.replay_service", common + [
                 "--proposer", "draft-model", "--model", str(options.draft_dir), *model,
                 "--tokenizer", str(options.target_dir), "--replay-alpha", name.split("-", 1)[1],
-                "--replay-references", str(options.replay_references), "--replay-seed", str(options.replay_seed)])
+                "--replay-references", str(options.replay_references), "--replay-seed", str(options.replay_seed),
+                "--replay-alpha-spread", f"{options.replay_alpha_spread:g}"])
         else:
             raise ValueError(f"unknown proposer {name!r}")
     return specs
@@ -105,7 +107,8 @@ class Deployment:
                 if o.replay_target_alpha is not None:  # ... as a replay draft (model-scale runs)
                     module = "specdec.bench.replay_target"
                     target_args += ["--replay-alpha", f"{o.replay_target_alpha:g}", "--replay-references",
-                                    str(o.replay_references), "--replay-seed", str(o.replay_seed)]
+                                    str(o.replay_references), "--replay-seed", str(o.replay_seed),
+                                    "--replay-alpha-spread", f"{o.replay_alpha_spread:g}"]
             self.proposers = list(proposers)
             self.target = self._spawn("target", module, target_args)
             for name, (module, args) in draft_specs(o, proposers).items():

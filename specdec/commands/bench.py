@@ -90,6 +90,9 @@ def add_parser(subparsers) -> None:
     scale.add_argument("--replay-alpha", type=lambda t: tuple(float(x) for x in t.split(",") if x), default=(),
                        help="replay proposer acceptance(s), e.g. 0.6,0.8,0.9: one method each (needs --draft)")
     scale.add_argument("--replay-seed", type=int, default=0)
+    scale.add_argument("--replay-alpha-spread", type=_spread, default=0.0,
+                       help="give each prompt its own alpha, evenly spaced over alpha +- this (a mix of "
+                            "predictable and unpredictable prompts; default 0: one alpha for all)")
     scale.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens")
     scale.add_argument("--floor", action="store_true",
                        help="measure the memory-bandwidth floor of a target step (weight bytes / copy bandwidth)")
@@ -103,6 +106,14 @@ def add_parser(subparsers) -> None:
                         help="recompute a report's numbers from its raw requests (rewrites it), redraw its PNG, "
                              "print its tables; measures nothing")
     parser.set_defaults(func=run)
+
+
+def _spread(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"the spread must be in [0, 1] (each prompt's alpha is clipped to "
+                                         f"[0, 1]), got {text}")
+    return value
 
 
 def default_draft() -> str | None:
@@ -130,7 +141,8 @@ def build_config(args: argparse.Namespace):
         cuda_graphs=None if args.cuda_graphs is None else args.cuda_graphs == "on", pld_tokens=args.pld_tokens,
         max_context=args.max_context,
         timing_repeats=args.timing_repeats, seed=args.seed, log_dir=args.log_dir, replay_alphas=args.replay_alpha,
-        replay_seed=args.replay_seed, ignore_eos=args.ignore_eos, floor=args.floor,
+        replay_seed=args.replay_seed, replay_alpha_spread=args.replay_alpha_spread, ignore_eos=args.ignore_eos,
+        floor=args.floor,
         target_args=tuple(args.target_arg), draft_args=tuple(args.draft_arg), coordinator_args=tuple(args.coordinator_arg),
     )
 

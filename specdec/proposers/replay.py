@@ -15,6 +15,11 @@ lossless under any sampling mode; with no matching reference (another prompt, a 
 left the greedy path) a proposed token is the draft model's own. The draft's KV cache holds its own
 tokens where the replayed ones differ: it costs the same, and its logits are used only without a
 reference. alpha is an input of the benchmark, never a result.
+
+With a spread, each reference (each prompt) gets its own alpha, evenly spaced over alpha +- spread
+(clipped to [0, 1]) in an order shuffled by the seed: real prompts differ in how predictable they are
+(the default pair's Spec-Bench categories range from 0.57 to 0.83 agreement, docs/DISTILLATION.md),
+and one alpha for every prompt hides what a per-session draft length is for.
 """
 
 from __future__ import annotations
@@ -34,12 +39,16 @@ from specdec.types import DraftBlock
 class ReplayProposer(DraftModelProposer):
     name = "replay"
 
-    def __init__(self, model: CausalLM, references: Sequence[Sequence[int]], alpha: float, seed: int = 0):
+    def __init__(self, model: CausalLM, references: Sequence[Sequence[int]], alpha: float, seed: int = 0,
+                 spread: float = 0.0):
         if not 0.0 <= alpha <= 1.0:
             raise InvalidArgument(f"replay alpha must be in [0, 1], got {alpha}")
+        if not 0.0 <= spread <= 1.0:
+            raise InvalidArgument(f"replay alpha spread must be in [0, 1], got {spread}")
         super().__init__(model, top_m=0)
         self.references = [list(map(int, r)) for r in references]
         self.alpha, self.seed = alpha, seed
+        self.alphas = reference_alphas(len(self.references), alpha, spread, seed)
         self._reference_of: dict[str, int | None] = {}  # session id -> index into references
 
     def close(self, state) -> None:
@@ -96,7 +105,16 @@ class ReplayProposer(DraftModelProposer):
             return own_token
         true_token = self.references[reference][position]
         accept_draw, other_draw = np.random.default_rng([self.seed, reference, position]).random(2)
-        if accept_draw < self.alpha:
+        if accept_draw < self.alphas[reference]:
             return true_token
         vocab = self.model.info.vocab_size
         return (true_token + 1 + int(other_draw * (vocab - 1))) % vocab  # any token but the true one
+
+
+def reference_alphas(count: int, alpha: float, spread: float, seed: int) -> list[float]:
+    """Each reference's alpha: evenly spaced over alpha - spread .. alpha + spread, clipped to [0, 1],
+    assigned in an order shuffled by the seed (not by the prompts' order, which groups categories)."""
+    if spread == 0.0 or count < 2:
+        return [alpha] * count
+    ranks = np.random.default_rng([seed, count]).permutation(count)
+    return [float(np.clip(alpha + spread * (2.0 * r / (count - 1) - 1.0), 0.0, 1.0)) for r in ranks]
