@@ -410,3 +410,24 @@ def test_a_hit_is_a_whole_block_accepted_and_the_guess_right():
     pipelined = policy.cycle_cost(4)
     policy.observe_cycle(4, 3, 0.008, 0.008, 0.003, draft_steps=4)  # a sequential cycle (gate closed)
     assert policy.cycle_cost(4) > pipelined
+
+
+def test_a_few_graph_captures_inside_verifies_do_not_switch_a_paying_draft_off():
+    """Past its warm-up context a GPU target captures a CUDA graph the first time a step shape is
+    used (~0.2 s for the 8B shape, inside that forward's model time). The adaptive length tries
+    several lengths, so it meets most of them: on a 3,300-token prompt at alpha 0.8-0.9 it learned
+    the captures as the price of verifying, switched off, and ran 2.1x slower than k = 3 (round 26).
+    A forward counts at most outlier_ratio times what the fit expects of its size."""
+    policy = DraftLengthPolicy(initial=4, max_tokens=8)
+    rng = random.Random(0)
+    policy.observe_plain(0.0065)
+    for _ in range(12):  # two GPUs' costs (round 23): the 1B draft 2.4 ms a token, the 8B verify 8 ms
+        k = max(1, policy.next_k())
+        accepted = next((j for j in range(k) if rng.random() > 0.85), k)
+        policy.observe_cycle(k, accepted, 0.0024 * k, 0.008 + 0.0001 * k, 0.003)
+    assert policy.next_k() >= 3
+    for capture in range(5):  # a new key bucket: each length's first verify captures its graph
+        k = max(1, policy.next_k())
+        policy.observe_cycle(k, min(k, 3), 0.0024 * k, 0.2, 0.003)
+        assert policy.next_k() >= 2, capture
+    assert policy.verify_cost(5) < 0.015  # 8 ms learned; 83 ms, switched off after two captures, unclamped

@@ -17,10 +17,19 @@ class ForwardCost:
     through both cannot show (it made k = 1 look cheap and plain decoding dear). One fit over all sizes
     keeps costs ordered by size when the load shifts (sizes timed apart, at different loads, were
     not). Until sizes differ enough, a forward is assumed to grow by 5% of its mean per extra token:
-    cautious on CPUs, nearly flat as on GPUs. t1 and t2 are never negative."""
+    cautious on CPUs, nearly flat as on GPUs. t1 and t2 are never negative.
+
+    A forward counts at most outlier_ratio times what the fit expects of its size: a target on a GPU
+    captures a CUDA graph the first time a step shape is used past its warm-up context (~0.2 s for the
+    8B shape against a 13 ms verify), and the adaptive length, which tries several lengths, paid those
+    captures and learned them as the price of drafting: it switched a prompt of 3,300 tokens at alpha
+    0.8-0.9 off and ran it 2.1x slower than k = 3 (docs/BENCHMARKS.md, round 26). A real change of
+    cost (a growing batch) is still learned: each forward may double the estimate's share it replaces."""
 
     decay: float = 0.95  # per forward: slower than the acceptance estimates, to average out noise
     default_slope: float = 0.05
+    outlier_ratio: float = 2.0
+    trusted_weight: float = 2.0  # forwards' worth of weight before outliers are clamped
     # Exponentially weighted sums over forwards of f f^T (columns 0-2) and f t (column 3), with the
     # features f = (1, n, [n > 1]): the weight, the token and time sums are entries of it.
     _sums: "np.ndarray" = field(default_factory=lambda: np.zeros((3, 4)))
@@ -31,6 +40,8 @@ class ForwardCost:
         return self._sums[0, 0] > 0
 
     def observe(self, num_tokens: int, seconds: float) -> None:
+        if self._sums[0, 0] >= self.trusted_weight:
+            seconds = min(seconds, self.outlier_ratio * self.cost(num_tokens))
         features = np.array([1.0, num_tokens, 1.0 if num_tokens > 1 else 0.0])
         self._sums = self.decay * self._sums + np.outer(features, np.append(features, seconds))
         self._fitted = None
