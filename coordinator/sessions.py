@@ -17,6 +17,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
 from specdec.errors import InvalidArgument, SessionNotFound
+from specdec.generation.draft_opening import StartVerdicts
 from specdec.generation.shared_estimates import SharedEstimatesByRoute
 from specdec.generation.stopping import FinishReason
 from specdec.observability import spans
@@ -69,6 +70,7 @@ class SessionManager:
         self.claims = Claims(store, router, prompts, config.default_pool)
         self._turns: dict[str, Turn] = {}  # turns running in this process, by session id
         self.estimates = SharedEstimatesByRoute()  # what adaptive turns measured, per route
+        self.start_verdicts = StartVerdicts()  # whether targets refused new sessions' drafts, per route
 
     # ---- Generate --------------------------------------------------------------------------
 
@@ -153,7 +155,8 @@ class SessionManager:
         return Opened(stream, turn, replay, 0)
 
     def _turn_args(self, claim):
-        return claim.plan, claim.stop, self.store, self.router, self.telemetry, self.config.turn, self.estimates
+        return (claim.plan, claim.stop, self.store, self.router, self.telemetry, self.config.turn, self.estimates,
+                self.start_verdicts)
 
     def _draft_length(self, turn_record) -> int:
         if not turn_record.speculate:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from specdec.engine.api import InnerDraft
 from specdec.engine.cycle_cost import measure_cycle
 from specdec.errors import SessionNotFound, SpecDecError
+from specdec.generation import draft_opening
 from specdec.generation.loop import GenerationResult, LoopSettings, SessionCursor, SpeculativeLoop
 from specdec.generation.shared_estimates import SharedEstimates, SharedEstimatesByRoute
 from specdec.generation.stats import SpeculationStats
@@ -121,9 +122,11 @@ class Failed:
 
 class Turn:
     def __init__(self, plan: TurnPlan, stop: TurnStop, store: SessionStore, router: Router,
-                 telemetry: Telemetry, settings: TurnSettings, estimates: SharedEstimatesByRoute | None = None):
+                 telemetry: Telemetry, settings: TurnSettings, estimates: SharedEstimatesByRoute | None = None,
+                 start_verdicts: draft_opening.StartVerdicts | None = None):
         self.plan, self.stop, self.store, self.router, self.settings = plan, stop, store, router, settings
         self.estimates = estimates  # the coordinator's, for an adaptive length's warm start
+        self.start_verdicts = start_verdicts or draft_opening.StartVerdicts()  # the coordinator's
         self.queue: asyncio.Queue = asyncio.Queue()  # bounded by the turn's token budget
         self.done = asyncio.Event()
         self.recorder = Recorder(store, plan.session_id, plan.version, len(plan.tokens), settings.heartbeat_s)
@@ -179,6 +182,7 @@ class Turn:
         except Exception as exc:  # noqa: BLE001 - sorted out and handed to the stream
             item = await self._after_error(exc)
         finally:
+            draft_opening.discard(self.cursor)  # a turn that ended before its loop did
             await self.recorder.stop_heartbeat()
             self.router.release(self.plan.target_endpoint, self.plan.draft_endpoint or "")
             self.queue.put_nowait(item)
@@ -188,10 +192,17 @@ class Turn:
         plan = self.plan
         if plan.finished is not None:  # a resumed turn whose committed tokens already end it
             return GenerationResult([], plan.finished, SpeculationStats())
+        route = (plan.target_endpoint, plan.draft_endpoint or "")
+        opens_early = self.draft is not None and plan.new_session and plan.turn.speculate
+        if opens_early and not self.cursor.draft_ready and self.start_verdicts.expects_drafting(*route):
+            # The draft prefills the prompt while the target does (specdec/generation/draft_opening.py).
+            draft_opening.open_beside_prefill(self.draft, self.cursor, plan.tokens)
         with measure_cycle() as opening:  # a new session's StartSession may say: start plain
             first = await self.target.prepare(plan.tokens, self.plan.turn.turn_start == len(plan.tokens),
                                               plan.new_session)
         self.cursor.target_draft_limit = opening.target_draft_limit
+        if opens_early:
+            self.start_verdicts.record(*route, refused=opening.target_draft_limit == 0)
         if first is not None:
             self.cursor.tokens.append(first)
             _, reason = self.stop.check([first])

@@ -390,6 +390,23 @@ async def test_spans_link_request_cycles_and_the_target_across_processes(redis_u
     assert any(s["name"].endswith("TargetService/Verify") and s["parent_id"] in client_ids for s in target_spans)
 
 
+async def test_a_new_sessions_draft_prefills_beside_the_target(redis_url, dirs, services, reference):
+    """The draft's StartSession goes out with the target's, not inside the first cycle after the first
+    token (specdec/generation/draft_opening.py): the two calls overlap, the draft opens once, and the
+    answer is plain decoding's. A draft that fails to open fails no request (the greedy test's
+    "random" draft and tests/test_coordinator_failover.py)."""
+    async with coordinator(redis_url, dirs, services, "same") as c:
+        messages = await c.generate(prompt=PROMPTS[1], max_new_tokens=12)
+        spans = c.exporter.get_finished_spans()
+    assert tokens_of(messages) == expected(reference, reference.prompt_ids(PROMPTS[1]), 12)
+    target_start = [s for s in spans if s.name.endswith("TargetService/StartSession")]
+    draft_start = [s for s in spans if s.name.endswith("DraftService/StartSession")]
+    assert len(target_start) == 1 and len(draft_start) == 1 and messages[-1].stats.cycles > 0
+    assert draft_start[0].start_time < target_start[0].end_time  # sent before the first token came back
+    first_cycle = min((s for s in spans if s.name == "specdec.cycle"), key=lambda s: s.start_time)
+    assert draft_start[0].start_time < first_cycle.start_time
+
+
 async def test_cycle_spans_are_sampled(redis_url, dirs, services):
     tracing = TracingSettings(cycle_span_every=1000)
     async with coordinator(redis_url, dirs, services, "random", server={"tracing": tracing}) as c:

@@ -88,7 +88,9 @@ async def test_a_session_refused_at_start_opens_no_draft_and_probes_after_the_wi
 async def test_through_the_coordinator_a_refused_session_never_touches_the_draft_service(
         target_dir, redis_url, tmp_path_factory):
     """The coordinator's turn says at StartSession that its drafts come from the draft service, reads
-    the answer and starts plain: the draft service prefills nothing; the answer is plain decoding's."""
+    the answer and starts plain; the answer is plain decoding's. The draft prefills a new session's
+    prompt beside the target (draft_opening.py) unless the route's last new session was refused: the
+    first refused session's prefill is the price of learning that, the next one prefills nothing."""
     from coordinator_harness import Reference, expected, running_coordinator, tokens_of
     from service_procs import start_service
     from specdec.server.tokenizer_info import tokenizer_facts
@@ -111,12 +113,14 @@ async def test_through_the_coordinator_a_refused_session_never_touches_the_draft
                 other = await c.generate(prompt=prompt, max_new_tokens=20)
                 # Its own source refused (for longer than the test): plain from the start.
                 pricing._verdicts[draft_service.address] = (pricing._steps, 1000)
+                first_refused = await c.generate(prompt=prompt, max_new_tokens=20)
                 prefills_before = _prefills(draft_service)
                 messages = await c.generate(prompt=prompt, max_new_tokens=20)
                 prefills_after = _prefills(draft_service)
     finally:
         draft_service.stop()
     assert tokens_of(other) == want and other[-1].stats.cycles > 0 and prefills_before >= 1
+    assert tokens_of(first_refused) == want and first_refused[-1].stats.cycles == 0
     assert tokens_of(messages) == want
     stats = messages[-1].stats
     assert stats.pool == pb.POOL_SPECULATIVE and stats.cycles == 0 and stats.decode_steps == len(want) - 1

@@ -12,6 +12,7 @@ coordinator's spans and metrics) without the loop knowing about either.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -23,6 +24,7 @@ from specdec.engine.cycle_cost import CycleCost, measure_cycle
 from specdec.engine.inner_draft import PROPOSERS as INNER_PROPOSERS
 from specdec.errors import ServiceUnavailable, SessionNotFound
 from specdec.generation.adaptive import DraftLengthPolicy
+from specdec.generation import draft_opening
 from specdec.generation.draft_feed import DraftFeed
 from specdec.generation.pipeline import PipelinedDrafting
 from specdec.generation.plain_runs import PlainRuns
@@ -97,6 +99,8 @@ class SessionCursor:
     # What the target said when the session started (StartSession with drafts_elsewhere): 0, a draft
     # from elsewhere would be cut to nothing under its load now, so start plain (no draft session).
     target_draft_limit: int | None = None
+    # The draft's StartSession, sent beside the target's prefill (draft_opening.py); None: none pending.
+    draft_opening: asyncio.Task | None = None
 
     @property
     def position(self) -> int:
@@ -186,6 +190,7 @@ class SpeculativeLoop:
                 self.sharing.share(ended=True)
             await self.feed.cancel()
             await self.plain_runs.close()
+            draft_opening.discard(cursor)
 
     async def _run(self, cursor: SessionCursor, stop: StopChecker, emit: TokenSink, stats: SpeculationStats,
                    plain_cycles_left: int) -> GenerationResult:
@@ -318,6 +323,7 @@ class SpeculativeLoop:
             return await self._propose_once(cursor, k)
 
     async def _propose_once(self, cursor: SessionCursor, k: int):
+        await draft_opening.wait(cursor)
         if not cursor.draft_ready:
             # (Re)open the draft's session from the committed sequence: first use, or after a
             # failure when its state is unknown.
