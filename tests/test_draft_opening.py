@@ -71,3 +71,46 @@ def test_start_verdicts_remember_each_routes_last_new_session():
     assert verdicts.expects_drafting("t1", "d1") and not verdicts.expects_drafting("t3", "d1")
     verdicts.record("t3", "d1", refused=False)
     assert verdicts.expects_drafting("t3", "d1")
+
+
+async def test_the_first_cycle_after_an_opening_is_no_steady_cycle_and_the_output_is_plain_decodings(
+        tmp_path_factory):
+    """The first Propose may wait for the opening's prefill: that cycle is left out of the policy's
+    costs, like a cycle whose Propose prefilled itself (on two GPUs the warm-up's first cycle, counted
+    as steady, priced drafting so high that the next turns switched off at alpha 0.8)."""
+    from service_procs import tiny_model_dir
+    from specdec.engine.draft import DraftEngine
+    from specdec.engine.local import LocalDraft, LocalTarget
+    from specdec.engine.target import TargetEngine
+    from specdec.generation.adaptive import DraftLengthPolicy
+    from specdec.generation.loop import LoopSettings, SpeculativeLoop, start_generation
+    from specdec.generation.stopping import StopChecker
+    from specdec.models.loader import load_model
+    from specdec.proposers.draft_model import DraftModelProposer
+
+    base = tmp_path_factory.getbasetemp()
+    target_dir = tiny_model_dir(base, "target", seed=0)
+    engine = TargetEngine(load_model(target_dir, backend="native", num_slots=2, max_context=128))
+    target, prompt, outputs, steady = LocalTarget(engine), [1, 5, 9, 12, 5, 9], {}, []
+    observe_cycle = DraftLengthPolicy.observe_cycle
+
+    def watched(policy, *args, **kwargs):
+        steady.append(kwargs.get("steady", True))
+        observe_cycle(policy, *args, **kwargs)
+
+    for name, draft in (("plain", None), ("speculative", LocalDraft(DraftEngine(DraftModelProposer(
+            load_model(target_dir, backend="native", num_slots=2, max_context=128)))))):
+        cursor, first = await start_generation(target, name, prompt, SamplingParams())
+        if draft is not None:
+            draft_opening.open_beside_prefill(draft, cursor, prompt)
+        loop = SpeculativeLoop(target, draft, LoopSettings(4, adaptive=True))
+        if loop.policy is not None:
+            loop.policy.observe_cycle = watched.__get__(loop.policy)
+        result = await loop.run(cursor, StopChecker(24, ()), _ignore)
+        outputs[name] = [first, *result.token_ids]
+    assert outputs["speculative"] == outputs["plain"]
+    assert len(steady) > 2 and steady[0] is False and all(steady[1:])
+
+
+async def _ignore(tokens):
+    pass

@@ -323,7 +323,11 @@ class SpeculativeLoop:
             return await self._propose_once(cursor, k)
 
     async def _propose_once(self, cursor: SessionCursor, k: int):
-        await draft_opening.wait(cursor)
+        if cursor.draft_opening is not None:
+            # The draft's prefill, opened beside the target's, may still run: the wait is this cycle's,
+            # which is no steady one (a first cycle counted as one priced drafting off on two GPUs).
+            self._draft_catching_up = True
+            await draft_opening.wait(cursor)
         if not cursor.draft_ready:
             # (Re)open the draft's session from the committed sequence: first use, or after a
             # failure when its state is unknown.
