@@ -1,13 +1,15 @@
 """A new session's draft prefills the prompt beside the target, not inside the first cycle.
 
-The loop opens the draft's session (StartSession: a prefill of the whole prompt) at its first
+The loop opened the draft's session (StartSession: a prefill of the whole prompt) at its first
 Propose, after the target's prefill and first token, so that prefill sat on every speculative
-turn's critical path: on two H100s about 45 ms of a 1.1 s answer for the 1B draft of a 160-token
-prompt (docs/BENCHMARKS.md, round 26), paid before the turn's first cycle could tell whether
-drafting pays. The coordinator (coordinator/turn.py) now sends the draft's StartSession together
-with the target's; the loop waits for it where the draft is first needed (wait()), so the first
-token never waits for the draft, and a failed opening is that Propose's failure: the turn decodes
-plainly as after any draft failure. A turn that never proposes stops waiting for it (discard()).
+turn's critical path, before the turn's first cycle could tell whether drafting pays; on the CPU
+pair the Propose time per cycle fell by 0.3-1.0 ms (some 20-50 ms of a 128-token answer) once it
+moved out (docs/BENCHMARKS.md, round 26). The coordinator (coordinator/turn.py) now sends the
+draft's StartSession together with the target's; the loop waits for it where the draft is first
+needed (wait()), so the first token never waits for the draft, and a failed opening is that
+Propose's failure: the turn decodes plainly as after any draft failure. That first cycle stays out
+of the adaptive length's costs (it may include the wait). A turn that never proposes stops waiting
+for the opening (discard()).
 
 Under load a target may refuse a new session's drafts at its start (the session decodes plainly
 until the target lets a probe through), and such a session should not take a draft slot and a
