@@ -53,6 +53,18 @@ def test_step_cost_fit():
     assert same_size.fit() is None  # no slope can be told from steps of one size
 
 
+def test_a_few_graph_captures_do_not_move_the_step_cost_fit_far():
+    """A step that captured a CUDA graph (~0.2 s at the 8B shape, past the warm-up context) counts at
+    most twice what the fit expects of its size; unclamped, three of them made a 16-token step 4.4x dearer."""
+    cost = StepCost()
+    for n in [1, 5, 16, 8, 3, 12] * 4:
+        cost.observe(n, 0.008 + 0.0002 * n)
+    for n in (5, 9, 13):
+        cost.observe(n, 0.2)
+    alpha, beta = cost.fit()
+    assert alpha + 16 * beta < 1.25 * (0.008 + 16 * 0.0002)
+
+
 def goodput(trimmer: DraftTrimmer, works, kept: list[int]) -> float:
     gain = sum(sum(trimmer.acceptance(w.session_id) ** j for j in range(d + 1)) if isinstance(w, VerifyWork)
                else 1.0 for w, d in zip(works, kept))

@@ -52,10 +52,15 @@ ADMISSION_PROBE_TOKENS = 8  # the draft a plain row is asked about (the longest 
 
 @dataclass
 class StepCost:
-    """T(n) = alpha + beta * n by exponentially weighted least squares over measured steps."""
+    """T(n) = alpha + beta * n by exponentially weighted least squares over measured steps. Once fitted,
+    a step counts at most outlier_ratio times what the fit expects of its size: past the graph warm-up
+    context a GPU step's first use of a shape captures a CUDA graph inside it (~0.2 s at the 8B shape,
+    against a 9 ms step), which is no price of its tokens (the coordinator's cost fit does the same:
+    generation/forward_cost.py, docs/BENCHMARKS.md round 26)."""
 
     decay: float = 0.98  # weight of the past per step: the fit follows a changing machine load
     min_steps: float = 8.0  # (weighted) steps before the fit is trusted
+    outlier_ratio: float = 2.0
     _w: float = 0.0
     _n: float = 0.0
     _nn: float = 0.0
@@ -63,6 +68,9 @@ class StepCost:
     _nt: float = 0.0
 
     def observe(self, tokens: int, seconds: float) -> None:
+        fitted = self.fit()
+        if fitted is not None:
+            seconds = min(seconds, self.outlier_ratio * (fitted[0] + fitted[1] * tokens))
         d = self.decay
         self._w, self._n, self._t = d * self._w + 1, d * self._n + tokens, d * self._t + seconds
         self._nn, self._nt = d * self._nn + tokens * tokens, d * self._nt + tokens * seconds
