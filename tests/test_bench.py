@@ -272,6 +272,17 @@ def test_a_spread_gives_each_prompt_its_own_alpha_around_the_named_one():
         ReplayProposer(None, [], 0.6, spread=-0.1)
 
 
+def test_a_spread_out_of_range_or_without_a_replay_alpha_is_refused(models):
+    from specdec.bench.runner import Bench, BenchConfig
+
+    target, draft = models
+    with pytest.raises(ValueError, match="give --replay-alpha too"):
+        Bench(BenchConfig(target=str(target), draft=str(draft), replay_alpha_spread=0.1))
+    result = subprocess.run([sys.executable, "-m", "specdec.cli", "bench", "--replay-alpha", "0.8",
+                             "--replay-alpha-spread", "1.5"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "the spread must be in [0, 1]" in result.stderr
+
+
 def test_a_replay_draft_hosted_by_the_target_accepts_what_alpha_says(models, tmp_path):
     """specdec-replay-target: the target service hosts the draft and replays the target's greedy
     tokens with probability alpha (bench/replay_target.py), next to the draft service's replay.
