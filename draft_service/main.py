@@ -48,7 +48,6 @@ class DraftServiceSettings:
     cuda_graphs: bool | None = None  # None: on for a CUDA device
     compile_layers: bool = False  # torch.compile the CUDA-graph layers (specdec.models.compiled_layers)
     graph_warmup_context: int = service.GRAPH_WARMUP_CONTEXT  # CUDA-graph shapes captured at startup
-    lazy_graph_capture: str = "break-even"  # when a shape past it is captured (cuda_graphs.capture_due)
     num_slots: int = 8
     max_context: int | None = None
     top_m: int = 64
@@ -149,9 +148,8 @@ def build_engine(settings: DraftServiceSettings):
         log.info("loading draft model %s from %s", settings.model, model_dir)
         model = load_model(model_dir, backend=settings.backend, device=settings.device, dtype=settings.dtype,
                            num_slots=settings.num_slots, max_context=settings.max_context, name=settings.model,
-                           head_vocab=settings.head_vocab, cuda_graphs=settings.cuda_graphs,
-                           compile_layers=settings.compile_layers, graph_warmup_context=settings.graph_warmup_context,
-                           lazy_graph_capture=settings.lazy_graph_capture)
+                           head_vocab=settings.head_vocab, cuda_graphs=settings.cuda_graphs, compile_layers=settings.compile_layers,
+                       graph_warmup_context=settings.graph_warmup_context)
         proposer = DraftModelProposer(model, top_m=settings.top_m, copy=CopyRule(settings.copy_below))
         info, top_m = model.info, settings.top_m
     engine = DraftEngine(proposer, idle_ttl_s=settings.session_ttl_s, max_draft_tokens=settings.max_draft_tokens)

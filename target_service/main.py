@@ -40,7 +40,6 @@ class TargetServiceSettings:
     cuda_graphs: bool | None = None  # None: on for a CUDA device
     compile_layers: bool = False  # torch.compile the CUDA-graph layers (specdec.models.compiled_layers)
     graph_warmup_context: int = service.GRAPH_WARMUP_CONTEXT  # CUDA-graph shapes captured at startup
-    lazy_graph_capture: str = "break-even"  # when a shape past it is captured (cuda_graphs.capture_due)
     num_slots: int = 8
     max_context: int | None = None  # None: the model's own limit (capped by the loader)
     session_ttl_s: float = 600.0
@@ -149,8 +148,7 @@ def run(settings: TargetServiceSettings, adapt_inner_draft=None) -> int:
     model = load_model(model_dir, backend=settings.backend, device=settings.device, dtype=settings.dtype,
                        num_slots=settings.num_slots, max_context=settings.max_context, name=settings.model,
                        cuda_graphs=settings.cuda_graphs, compile_layers=settings.compile_layers,
-                       graph_warmup_context=settings.graph_warmup_context,
-                       lazy_graph_capture=settings.lazy_graph_capture)
+                       graph_warmup_context=settings.graph_warmup_context)
     if settings.test_fault:
         log.warning("TEST ONLY: verification is corrupted on purpose (--test-fault %s)", settings.test_fault)
     if settings.test_delay_ms > 0:
@@ -179,8 +177,7 @@ def load_inner_draft(settings: TargetServiceSettings, tokenizer):
     model = load_model(draft_dir, backend=settings.backend, device=settings.device, dtype=settings.dtype,
                        num_slots=settings.num_slots, max_context=settings.max_context, name=settings.inner_draft,
                        head_vocab=settings.inner_draft_head_vocab, cuda_graphs=settings.cuda_graphs,
-                       graph_warmup_context=settings.graph_warmup_context,
-                       lazy_graph_capture=settings.lazy_graph_capture)
+                       graph_warmup_context=settings.graph_warmup_context)
     return DraftEngine(DraftModelProposer(model, copy=CopyRule(settings.inner_draft_copy_below)), idle_ttl_s=settings.session_ttl_s,
                        max_draft_tokens=settings.max_draft_tokens)
 

@@ -20,7 +20,7 @@ from specdec.errors import InvalidArgument
 from specdec.generation.equality import compare_outputs
 from specdec.generation.loop import LoopSettings, generate
 from specdec.generation.stopping import StopChecker
-from specdec.models.cuda_graphs import MAX_TOKENS_PER_ROW, POPULAR_USES, Shape, capture_due, use_cuda_graphs
+from specdec.models.cuda_graphs import MAX_TOKENS_PER_ROW, Shape, use_cuda_graphs
 from specdec.models.llama import LlamaModel
 from specdec.proposers.draft_model import DraftModelProposer
 from specdec.sampling.params import SamplingParams
@@ -206,25 +206,6 @@ def test_speculative_output_equals_plain_decoding_on_the_static_path(root):
     assert target.graphs.stats.replays > 0
 
 
-def test_break_even_capture_waits_until_eager_runs_cost_one_capture():
-    """A shape past the warm-up runs uncaptured until its eager time reaches the mean capture's; with
-    no capture to price it by (nothing warmed up), and under first-use, it is captured at once."""
-    # 10 captures took 2 s: one more costs 0.2 s
-    due = lambda rule="break-even", eager=0.0, captured=10, per_bucket=1.0: capture_due(  # noqa: E731
-        rule, eager_seconds=eager, captured=captured, capture_seconds=0.2 * captured, uses_per_bucket=per_bucket)
-    assert not due() and not due(eager=0.19) and not due(per_bucket=POPULAR_USES - 1)
-    assert due(eager=0.2)
-    assert due(per_bucket=POPULAR_USES)  # rows and width this popular: captured at once
-    assert due(captured=0)
-    assert due("first-use")
-
-
-def test_an_unknown_lazy_capture_rule_is_refused(root):
-    with pytest.raises(ValueError, match="lazy_capture must be one of"):
-        LlamaModel(tiny_dir(root, "llama3"), num_slots=1, max_context=64, cuda_graphs=True,
-                   lazy_graph_capture="never")
-
-
 # ---- CUDA: real capture ----------------------------------------------------------------------------
 
 
@@ -266,48 +247,6 @@ def test_cuda_graphs_captured_at_warm_up_equal_eager(root):
     for g, w in zip(got, want):
         assert relative_error(g.cpu(), w.cpu()) <= 1e-4
     assert graphs.graphs.stats.captured == 2 * MAX_TOKENS_PER_ROW * 4  # no step captured a new shape
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_break_even_runs_a_shape_past_the_warm_up_uncaptured_until_it_has_cost_a_capture(root):
-    """Past the warm-up context a decode shape first runs uncaptured (no stall), with the eager
-    model's logits; it is captured once its eager runs cost the mean capture, and replays after."""
-    path = tiny_dir(root, "llama3")
-    eager = LlamaModel(path, device="cuda", num_slots=2, max_context=900)
-    graphs = LlamaModel(path, device="cuda", num_slots=2, max_context=900, cuda_graphs=True,
-                        graph_warmup_context=256, lazy_graph_capture="break-even")
-    stats = graphs.graphs.stats
-    warmed, price = stats.captured, stats.capture_seconds / stats.captured
-    for model in (eager, graphs):
-        model.forward([model.allocate()], [random_tokens(300)], [1])  # prefill: eager, now in key bucket 512
-    want, got = [], []
-    for step, token in enumerate(random_tokens(150, seed=4)):
-        want.append(eager.forward([0], [[token]])[0])
-        before = stats.uncaptured_seconds
-        got.append(graphs.forward([0], [[token]])[0])
-        if step == 0:
-            assert stats.captured == warmed and stats.uncaptured_runs == 1  # no capture inside this step
-        if stats.captured > warmed:
-            break
-    assert stats.captured == warmed + 1, "the decode shape was never captured"
-    # captured once its eager runs had cost one capture, or at its POPULAR_USES-th use at the latest
-    assert before >= price or stats.uncaptured_runs == POPULAR_USES - 1
-    for _ in range(3):  # replayed from now on
-        token = random_tokens(1, seed=step)[0]
-        want.append(eager.forward([0], [[token]])[0])
-        got.append(graphs.forward([0], [[token]])[0])
-    assert stats.captured == warmed + 1
-    # Decoding on past 512 tokens: one-row decodes were used far more than POPULAR_USES times per key
-    # bucket by now, so bucket 768's is captured inside its first forward, with no uncaptured run.
-    runs = stats.uncaptured_runs
-    while graphs.length(0) <= 512:
-        token = random_tokens(1, seed=graphs.length(0))[0]
-        want.append(eager.forward([0], [[token]])[0])
-        got.append(graphs.forward([0], [[token]])[0])
-    assert stats.captured == warmed + 2 and stats.uncaptured_runs == runs
-    for g, w in zip(got, want):
-        assert relative_error(g.cpu(), w.cpu()) <= 1e-4
 
 
 @pytest.mark.gpu

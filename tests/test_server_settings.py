@@ -140,10 +140,6 @@ def test_model_services_warm_up_cuda_graphs_unless_told_or_compiling():
         assert warmup("--compile-layers", "--graph-warmup-context", "512") == 512
         with pytest.raises(ConfigError, match="--graph-warmup-context must be >= 0"):
             warmup("--graph-warmup-context", "-1")
-        lazy = lambda *flags: to_settings(parser().parse_args([*base, *flags])).lazy_graph_capture  # noqa: E731
-        assert lazy() == "break-even" and lazy("--lazy-graph-capture", "first-use") == "first-use"
-        with pytest.raises(SystemExit):  # argparse: "invalid choice", with the choices
-            lazy("--lazy-graph-capture", "never")
 
 
 def test_the_target_takes_a_trimming_margin_within_bounds():

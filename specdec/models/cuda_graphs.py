@@ -15,18 +15,10 @@ addresses, so this module runs the same layers as LlamaModel._forward with three
 - padded rows and padded tokens write their keys/values into the cache's scratch column (slot 0's for
   padded rows), which no mask ever admits, and their outputs are dropped.
 
-Services capture every shape up to a context at startup (--graph-warmup-context): a capture costs
-~0.2 s for the 8B shape, and an adaptive draft length that tries each length 1..8 at each new key
-bucket paid dozens of them inside the first requests (docs/BENCHMARKS.md, "The adaptive draft length
-on a GPU"). A shape beyond that context is captured lazily, by one of two rules (--lazy-graph-capture):
-"first-use" captures it inside the forward that first needs it; "break-even" (the services' default)
-captures at once a shape whose rows and width have been used POPULAR_USES times per key bucket on
-average (plain decoding, a fixed draft length: what served the shorter contexts will serve this one),
-and runs any other shape's static forward uncaptured until its eager runs have cost as much time as
-a capture costs (the mean of this runner's captures), then captures it. A shape used once or twice (a length
-an adaptive draft tried once, a batch of an unusual size) then never stalls its request and its
-batch for a capture, and an unpredicted shape used many times pays at most about twice what
-capturing at once would have (the ski-rental bound).
+A shape is captured on its first use unless warm_up captured it at startup. Services warm up every
+shape up to a context (--graph-warmup-context): a lazy capture costs ~0.2 s for the 8B shape, and an
+adaptive draft length that tries each length 1..8 at each new key bucket paid dozens of them inside
+the first requests (docs/BENCHMARKS.md, "The adaptive draft length on a GPU").
 
 The output head runs outside the graph on the rows whose logits were asked for, as in eager mode.
 On a CPU the same static-shape code runs without capture: tests check it against the normal forward.
@@ -36,7 +28,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -49,30 +40,10 @@ from specdec.models.llama import host_indices
 if TYPE_CHECKING:
     from specdec.models.llama import LlamaModel
 
-log = logging.getLogger(__name__)
-
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
 MAX_TOKENS_PER_ROW = 9  # a verify of 8 drafted tokens
 GRAPH_CHUNKS = 4  # up to this many graphed pieces replace an eager forward (GraphRunner.fits_in_pieces)
 KEY_BUCKET = 256  # a capture of the 8B shape takes ~0.2 s, so many buckets are cheap
-LAZY_CAPTURE_RULES = ("first-use", "break-even")
-# A capture of the 8B shape (~0.2 s) pays for itself after ~50 replays (10.4 ms eager against 6.2 ms
-# graphed, H200): rows and a width used this often per key bucket are likely to be used that often in
-# the next bucket too.
-POPULAR_USES = 32
-
-
-def capture_due(rule: str, eager_seconds: float, captured: int, capture_seconds: float,
-                uses_per_bucket: float) -> bool:
-    """Whether a shape not captured yet should be captured now, before this forward.
-    eager_seconds: what its uncaptured runs have taken so far; captured, capture_seconds: this
-    runner's captures so far and their total time (the price of one more); uses_per_bucket: forwards
-    of the same rows and width per key bucket they were used in. "break-even" captures a popular
-    shape at once, any other once it has cost one capture's price eagerly; with no capture to price
-    it by, at once."""
-    if rule == "first-use" or captured == 0 or uses_per_bucket >= POPULAR_USES:
-        return True
-    return eager_seconds >= capture_seconds / captured
 
 
 @dataclass(frozen=True)
@@ -88,8 +59,6 @@ class GraphStats:
     capture_seconds: float = 0.0
     replays: int = 0
     eager_fallbacks: int = 0
-    uncaptured_runs: int = 0  # static forwards run eagerly while their shape waits for a capture
-    uncaptured_seconds: float = 0.0
     shapes: list[str] = field(default_factory=list)
 
 
@@ -160,20 +129,14 @@ class StaticForward:
 
 
 class GraphRunner:
-    """Routes a forward to the StaticForward of its bucket (captured lazily by the lazy_capture rule,
-    capture_due), or returns None so that the caller runs it eagerly. capture=False runs the static path
-    without graphs.
+    """Routes a forward to the StaticForward of its bucket (captured lazily on first use), or returns
+    None so that the caller runs it eagerly. capture=False runs the static path without graphs.
     compile_layers: the layer stack of compiled_layers.py, compiled with torch.compile where graphs are
     captured (its first use of a token count compiles, inside the capture's warm-up), run uncompiled
     otherwise."""
 
-    def __init__(self, model: "LlamaModel", capture: bool, compile_layers: bool = False,
-                 lazy_capture: str = "first-use"):
-        if lazy_capture not in LAZY_CAPTURE_RULES:
-            raise ValueError(f"lazy_capture must be one of {LAZY_CAPTURE_RULES}, got {lazy_capture!r}")
-        self.model, self.capture, self.lazy_capture = model, capture, lazy_capture
-        self._eager_seconds: dict[Shape, float] = {}  # uncaptured shapes: time their eager runs took
-        self._uses: dict[tuple[int, int], dict[int, int]] = {}  # (rows, width) -> key bucket -> forwards
+    def __init__(self, model: "LlamaModel", capture: bool, compile_layers: bool = False):
+        self.model, self.capture = model, capture
         self.layers = None
         if compile_layers:
             from specdec.models.compiled_layers import CompiledLayers
@@ -200,9 +163,8 @@ class GraphRunner:
                 for width in range(1, MAX_TOKENS_PER_ROW + 1):
                     for num_rows in rows:
                         shape = Shape(num_rows, width, key_len)
-                        static = self.forwards.get(shape) or self._build(shape)
-                        if self.capture and static.graph is None:
-                            self._capture(static)
+                        if shape not in self.forwards:
+                            self._build(shape)
         return len(self.forwards) - before
 
     piece = MAX_TOKENS_PER_ROW  # tokens per row of one graphed piece (LlamaModel._in_pieces)
@@ -237,52 +199,20 @@ class GraphRunner:
         # (a draft on cuda:1 in a process whose current device is cuda:0).
         with torch.cuda.device(self.model.device) if self.capture else contextlib.nullcontext():
             static = self.forwards.get(shape) or self._build(shape)
-            inputs = self._host_inputs(shape, slots, token_ids, starts, lengths, num_logits)
-            by_bucket = self._uses.setdefault((shape.rows, shape.width), {})
-            by_bucket[shape.key_len] = by_bucket.get(shape.key_len, 0) + 1
-            if self.capture and static.graph is None:
-                eager = self._eager_seconds.get(shape, 0.0)
-                if capture_due(self.lazy_capture, eager, self.stats.captured, self.stats.capture_seconds,
-                               sum(by_bucket.values()) / len(by_bucket)):
-                    seconds = self._capture(static)
-                    log.info("CUDA graph for %s captured inside a forward in %.0f ms (after %d uncaptured "
-                             "runs, %.0f ms)", static.shape, seconds * 1000, by_bucket[shape.key_len] - 1,
-                             eager * 1000)
-                else:
-                    hidden, logit_rows = self._run_uncaptured(static, inputs)
-                    return hidden.index_select(0, logit_rows)
-            hidden, logit_rows = static(inputs)
+            hidden, logit_rows = static(self._host_inputs(shape, slots, token_ids, starts, lengths, num_logits))
         self.stats.replays += 1
         return hidden.index_select(0, logit_rows)
 
     def _build(self, shape: Shape) -> StaticForward:
         static = StaticForward(self.model, shape, self.layers)
+        if self.capture:
+            started = time.perf_counter()
+            static.capture(self.pool)
+            self.stats.captured += 1
+            self.stats.capture_seconds += time.perf_counter() - started
+            self.stats.shapes.append(f"{shape.rows}x{shape.width}x{shape.key_len}")
         self.forwards[shape] = static
         return static
-
-    def _capture(self, static: StaticForward) -> float:
-        started = time.perf_counter()
-        static.capture(self.pool)
-        seconds = time.perf_counter() - started
-        self.stats.captured += 1
-        self.stats.capture_seconds += seconds
-        shape = static.shape
-        self.stats.shapes.append(f"{shape.rows}x{shape.width}x{shape.key_len}")
-        self._eager_seconds.pop(shape, None)
-        return seconds
-
-    def _run_uncaptured(self, static: StaticForward, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The shape's static forward without its graph, timed to the end of its kernels (an eager
-        forward is launch-bound, so the wait adds little: the caller reads the logits next anyway)."""
-        torch.cuda.synchronize(self.model.device)
-        started = time.perf_counter()
-        out = static(inputs)
-        torch.cuda.synchronize(self.model.device)
-        seconds = time.perf_counter() - started
-        self._eager_seconds[static.shape] = self._eager_seconds.get(static.shape, 0.0) + seconds
-        self.stats.uncaptured_runs += 1
-        self.stats.uncaptured_seconds += seconds
-        return out
 
     def _host_inputs(self, shape: Shape, slots, token_ids, starts, lengths, num_logits) -> torch.Tensor:
         """The static buffer's contents, then the flat indices of the rows to score, on the host."""

@@ -78,9 +78,7 @@ class LlamaModel:
     (compiled_layers.py), compiled on a CUDA device on each token count's first use; on a CPU the
     same pieces run uncompiled. Off by default: each new token count costs a compilation.
     graph_warmup_context (with cuda_graphs): capture every decode and verify shape of up to num_slots
-    rows and this many keys now, instead of lazily (0: all lazily).
-    lazy_graph_capture (with cuda_graphs): when a shape past the warm-up is captured, "first-use" or
-    "break-even" (cuda_graphs.capture_due).
+    rows and this many keys now, instead of on first use (0: all on first use).
     """
 
     def __init__(
@@ -97,7 +95,6 @@ class LlamaModel:
         cuda_graphs: bool = False,
         compile_layers: bool = False,
         graph_warmup_context: int = 0,
-        lazy_graph_capture: str = "first-use",
     ):
         if dtype not in DTYPES:
             raise InvalidArgument(f"dtype {dtype!r} is not supported; choose one of {sorted(DTYPES)}")
@@ -135,8 +132,7 @@ class LlamaModel:
         if cuda_graphs:
             from specdec.models.cuda_graphs import GraphRunner
 
-            self.graphs = GraphRunner(self, capture=self.device.type == "cuda", compile_layers=compile_layers,
-                                      lazy_capture=lazy_graph_capture)
+            self.graphs = GraphRunner(self, capture=self.device.type == "cuda", compile_layers=compile_layers)
         self.info = ModelInfo(
             name=name or str(path), architecture=cfg.architecture, vocab_size=cfg.vocab_size,
             max_context=max_context, dtype=dtype, device=str(self.device), backend="native",

@@ -40,7 +40,6 @@ def load_model(
     cuda_graphs: bool | None = None,
     compile_layers: bool = False,
     graph_warmup_context: int = 0,
-    lazy_graph_capture: str = "first-use",
 ) -> CausalLM:
     """Load the model in directory `path` with `backend` ("native", "hf", or "auto": native if supported).
 
@@ -53,8 +52,7 @@ def load_model(
     device; never on elsewhere. compile_layers (native, with CUDA graphs on a CUDA device): the graphs'
     layers torch.compile'd (specdec.models.compiled_layers); each new step shape compiles first.
     graph_warmup_context (native, with CUDA graphs): capture the step shapes of up to this many tokens
-    of context at load time instead of lazily (0: all lazily); lazy_graph_capture: when a shape past
-    it is captured ("first-use" or "break-even", specdec.models.cuda_graphs.capture_due).
+    of context at load time instead of on first use (0: on first use).
     """
     path = Path(path)
     if backend not in BACKENDS:
@@ -73,7 +71,7 @@ def load_model(
             path, device=device, dtype=dtype, num_slots=num_slots, max_context=max_context,
             kv_budget_bytes=kv_budget_bytes, name=name, head_token_ids=reduced_head(path, head_vocab),
             cuda_graphs=use_cuda_graphs(cuda_graphs, device), compile_layers=compile_layers,
-            graph_warmup_context=graph_warmup_context, lazy_graph_capture=lazy_graph_capture,
+            graph_warmup_context=graph_warmup_context,
         )
     if kv_budget_bytes is not None:
         raise InvalidArgument("kv_budget_bytes is supported by the native backend only; give num_slots")

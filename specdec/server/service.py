@@ -54,12 +54,7 @@ def add_model_arguments(group: Any, *, num_slots_help: str) -> None:
                        help="with CUDA graphs: capture every decode and verify shape of up to --num-slots "
                             f"sessions and this many tokens of context at startup (default {GRAPH_WARMUP_CONTEXT}; "
                             "0 with --compile-layers, where each shape compiles for 15-65 s); 0: capture each "
-                            "shape lazily (--lazy-graph-capture)")
-    group.add_argument("--lazy-graph-capture", choices=["break-even", "first-use"], default="break-even",
-                       help="with CUDA graphs: when a step shape past the warm-up context is captured: "
-                            "break-even (default) runs it uncaptured until its eager runs have cost one "
-                            "capture (~0.2 s for an 8B model), so shapes used a few times never stall a "
-                            "request; first-use captures it inside the first forward that needs it")
+                            "shape on its first use, inside a request")
     group.add_argument("--num-slots", type=int, default=8, help=num_slots_help)
     group.add_argument("--max-context", type=int, default=None, help="tokens per session (default: the model's)")
     group.add_argument("--session-ttl", type=float, default=600.0, help="seconds before an idle session expires")
@@ -72,7 +67,6 @@ def model_settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return {"backend": args.backend, "device": args.device, "dtype": args.dtype, "num_slots": args.num_slots,
             "cuda_graphs": cuda_graphs_flag(args.cuda_graphs), "compile_layers": args.compile_layers,
             "graph_warmup_context": graph_warmup_context(args.graph_warmup_context, args.compile_layers),
-            "lazy_graph_capture": args.lazy_graph_capture,
             "max_context": args.max_context, "session_ttl_s": args.session_ttl, "ready_file": args.ready_file}
 
 
