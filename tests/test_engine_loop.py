@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 
 import pytest
@@ -299,3 +300,19 @@ def test_a_run_the_target_ends_early_is_started_again_from_the_last_token_read(t
     result = asyncio.run(generate(counting, None, session_id, PROMPTS[2], SamplingParams(), StopChecker(12), emit))
     assert result.token_ids == plain and counting.runs == [11, 9]
     assert target.committed_tokens(session_id) == PROMPTS[2] + plain
+
+
+def test_with_debug_logging_a_turn_logs_its_cycles_and_the_policys_estimates(tiny_dirs, caplog):
+    """SPECDEC_LOG_LEVEL=DEBUG: each turn's cycles as drafted:accepted (plain steps as "."), and the
+    adaptive length's acceptance and costs at the end, to see why it switched where it did."""
+    target, draft = target_engine(tiny_dirs["target"]), draft_engine("same", tiny_dirs)
+    with caplog.at_level(logging.DEBUG, logger="specdec.generation.loop"):
+        result = run(target, draft, PROMPTS[0], SamplingParams(), max_new_tokens=24,
+                     settings=LoopSettings(num_draft_tokens=4, adaptive=True))
+    lines = [r.getMessage() for r in caplog.records if "cycles (drafted:accepted" in r.getMessage()]
+    assert len(lines) == 1 and "acceptance" in lines[0]
+    cycles = lines[0].split(") ", 1)[1].split(";")[0].split()
+    # the same weights draft: every drafted token is accepted
+    assert cycles and all(c == "." or c.split(":")[0] == c.split(":")[1] for c in cycles)
+    # every token but the first (the prompt's prefill gives it) came from a logged cycle
+    assert sum(1 if c == "." else int(c.split(":")[1]) + 1 for c in cycles) == len(result.token_ids) - 1

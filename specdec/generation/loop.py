@@ -161,6 +161,9 @@ class SpeculativeLoop:
         # The cycle's draft first caught up on a whole prompt or on tokens decoded plainly (a prefill
         # in its Propose, or a StartSession): its draft time and overhead say nothing of a steady cycle.
         self._draft_catching_up = False
+        # With DEBUG logging: each cycle as drafted:accepted ("." a plain step), logged at the turn's end
+        # with the policy's estimates, to see why an adaptive length switched off where it did.
+        self._trace: list[str] | None = [] if log.isEnabledFor(logging.DEBUG) else None
         k = self.settings.num_draft_tokens
         if draft is not None and self.settings.adaptive:
             self.policy = DraftLengthPolicy(k, self.settings.max_draft_tokens)
@@ -186,6 +189,8 @@ class SpeculativeLoop:
         try:
             return await self._run(cursor, stop, emit, stats, plain_cycles_left)
         finally:  # an error or a cancelled turn: the next turn truncates the target to its record
+            if self._trace is not None:
+                self._log_trace(cursor.session_id)
             if self.sharing is not None:
                 self.sharing.share(ended=True)
             await self.feed.cancel()
@@ -247,6 +252,8 @@ class SpeculativeLoop:
             draft_s, target_s = calls.draft_s, calls.target_s
             overhead_s = max(0.0, cost.wall_s - draft_s - target_s)
             draft_steps = 0 if calls.drafted_ahead else calls.num_proposed
+        if self._trace is not None:
+            self._trace.append("." if outcome is None else f"{outcome.num_drafted}:{outcome.num_accepted}")
         if outcome is None:
             self.policy.observe_plain(target_s, overhead_s, cost.target_draft_limit, opened_run=calls.opened_run,
                                       queued_s=cost.queued_s)
@@ -258,6 +265,16 @@ class SpeculativeLoop:
                 self.policy.limit(outcome.num_drafted)
             if self.sharing is not None:
                 self.sharing.share()
+
+    def _log_trace(self, session_id: str) -> None:
+        policy, estimates = self.policy, ""
+        if policy is not None and policy.adapt:
+            plain = policy._plain_cost()
+            costs = " ".join(f"k{k} {policy.cycle_cost(k) * 1000:.1f}ms" for k in (1, 2, 3, 4)) \
+                if plain is not None and policy._draft_s is not None else "no costs yet"
+            estimates = (f"; acceptance {policy.acceptance:.2f}, plain {plain * 1000 if plain else 0:.1f}ms/token, "
+                         f"cycles {costs}")
+        log.debug("session %s: cycles (drafted:accepted, . plain) %s%s", session_id, " ".join(self._trace), estimates)
 
     def _draft_length(self, cursor: SessionCursor, stop: StopChecker, ahead: int = 0) -> int:
         """For a block that starts `ahead` tokens past the committed sequence (pipelining)."""

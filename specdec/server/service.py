@@ -178,7 +178,8 @@ def run_from_args(
 def main(parser: argparse.ArgumentParser, run_from_args: Callable[[argparse.Namespace], int],
          argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    # SPECDEC_LOG_LEVEL=DEBUG: e.g. the coordinator's per-turn trace of draft lengths (generation/loop.py)
+    logging.basicConfig(level=os.environ.get("SPECDEC_LOG_LEVEL", "INFO").upper(), format=LOG_FORMAT)
     return run_from_args(args)
 
 
