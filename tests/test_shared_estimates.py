@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from specdec.generation.adaptive import DraftLengthPolicy
-from specdec.generation.shared_estimates import PolicyEstimates, SharedEstimates, SharedEstimatesByRoute, merge
+from specdec.generation.shared_estimates import (PolicyEstimates, SharedEstimates, SharedEstimatesByRoute, SharingPolicy,
+                                                merge)
 
 
 def simulate_turns(make_policy, turns=20, tokens_per_turn=128, shared=None, alpha=0.8, jitter=0.1, seed=0,
@@ -128,6 +129,47 @@ def test_the_shared_estimates_are_a_running_average_per_turn_and_per_route():
     assert routes.route("t1", "d1", True) is a and routes.route("t1", "d1", False) is not a
     routes.route("t2", "d1", True)
     assert len(routes.routes) == 2 and ("t1", "d1", True) not in routes.routes  # the oldest goes
+
+
+def test_the_route_pools_acceptance_by_each_turns_own_evidence():
+    """A turn that drafted its whole answer, then five that each switched off after two rejected
+    one-token cycles (2 tests each against the first turn's 120): averaged per turn, with each
+    turn's warm start inside its estimate, the route's acceptance sank to 0.75, and on (every next
+    turn opening more pessimistic and handing it on: round 27, two GPUs, 64% of a mix's tokens
+    plain); pooled by evidence, the older fading alike, 0.85."""
+    shared = SharedEstimates()
+    predictable = DraftLengthPolicy(3, 8, confidence_stop=False)
+    for _ in range(40):
+        predictable.observe_cycle(3, 3, 0.006, 0.008, 0.003)
+    shared.absorb(predictable.estimates())
+    assert shared.estimates.acceptance == pytest.approx(1.0)
+    for _ in range(5):
+        unlucky = DraftLengthPolicy(3, 8, confidence_stop=False)
+        unlucky.warm_start(shared.estimates)
+        for _ in range(2):
+            unlucky.observe_cycle(1, 0, 0.002, 0.007, 0.003)
+        own = unlucky.estimates()
+        assert (own.acceptance, own.trials) == (0.0, 2.0)  # its own evidence, no warm pseudo-counts
+        shared.absorb(own)
+    assert shared.estimates.acceptance == pytest.approx(120 * 0.8**5 / (120 * 0.8**5 + 2 * sum(0.8**i for i in range(5))))
+    assert shared.estimates.acceptance > 0.8
+
+
+def test_a_long_turns_snapshots_add_its_evidence_once():
+    """SharingPolicy snapshots a turn every absorb_every cycles and at its end: each adds only what
+    the turn measured since the last."""
+    shared = SharedEstimates(keep=1.0)
+    policy = DraftLengthPolicy(2, 8, confidence_stop=False)
+    sharing = SharingPolicy(shared, policy)
+    for accepted in (2, 2, 0, 1) * 20:  # 80 cycles: snapshots at 32 and 64, and the end
+        policy.observe_cycle(2, accepted, 0.004, 0.008, 0.003)
+        sharing.share()
+    sharing.share(ended=True)
+    assert shared.absorbed == 3
+    assert shared._trials == pytest.approx(policy.estimates().trials) == 20 * (2 + 2 + 1 + 2)
+    assert shared.estimates.acceptance == pytest.approx(5 / 7)
+    assert shared.estimates.tested[:2] == pytest.approx((1.0, 0.75))
+    assert shared.estimates.passed[:2] == pytest.approx((0.75, 0.5))
 
 
 def test_turns_through_the_loop_share_their_estimates_and_stay_lossless(tmp_path_factory):

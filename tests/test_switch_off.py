@@ -32,12 +32,14 @@ def simulate(make_policy, alpha, turns=20, tokens_per_turn=128, report_openings=
              slow_first_propose=False):
     """Tokens per second of turns of 128 tokens (each policy warm-started from the earlier turns, as
     the coordinator does), pipelined cycles and streamed plain runs at the costs above, every drafted
-    token accepted with probability alpha, the policy's measurements off by `jitter` (relative).
+    token accepted with probability alpha (a number, or one per turn), the policy's measurements off
+    by `jitter` (relative).
     report_openings=False: the loop as in round 23, which did not tell an opening step apart.
     slow_first_propose: the first steady cycle's draft reports four times its time (a pause)."""
     rng = random.Random(seed)
     shared, seconds, tokens = SharedEstimates(), 0.0, 0
-    for _ in range(turns):
+    alphas = list(alpha) if isinstance(alpha, (list, tuple)) else [alpha] * turns  # or one per turn
+    for alpha in alphas:
         policy = make_policy()
         if shared.estimates is not None:
             policy.warm_start(shared.estimates)

@@ -55,6 +55,12 @@ class Measurements:
     _evidence_accepted: float = 0.0  # accepted draft tokens, fading as slowly
     _tested: list[float] = field(default_factory=list)  # [j]: cycles whose draft token j was tested
     _passed: list[float] = field(default_factory=list)  # [j]: ... and accepted
+    # The same, this turn's own and unfaded (a warm start's pseudo-counts left out): what it tells
+    # its route (estimates()).
+    _own_accepted: float = 0.0
+    _own_trials: float = 0.0
+    _own_tested: list[float] = field(default_factory=list)
+    _own_passed: list[float] = field(default_factory=list)
     _draft_s: float | None = None  # model seconds per drafted token
     _forward: ForwardCost = field(default_factory=ForwardCost)  # target seconds by tokens fed
     _speculative_overhead_s: float | None = None  # per speculative cycle that proposed, outside the models
@@ -160,6 +166,8 @@ class Measurements:
         self._trials = self.decay * self._trials + num_accepted + rejected
         self._evidence = self.evidence_decay * self._evidence + num_accepted + rejected
         self._evidence_accepted = self.evidence_decay * self._evidence_accepted + num_accepted
+        self._own_accepted += num_accepted
+        self._own_trials += num_accepted + rejected
         self._measure_positions(k, num_accepted)
         per_token = draft_s / draft_steps if draft_steps > 0 else None
         if per_token is not None and steady:
@@ -200,17 +208,19 @@ class Measurements:
 
     def estimates(self) -> PolicyEstimates:
         """What this session measured, for the next turns on its route (shared_estimates.py)."""
-        cycles = self._tested[0] if self._tested else 0.0
+        cycles = self._own_tested[0] if self._own_tested else 0.0
         weight, survived = self._calibration.shares()
         return PolicyEstimates(
             draft_s=self._draft_s, forward_moments=self._forward.moments(),
             speculative_overhead_s=self._speculative_overhead_s, ahead_overhead_s=self._ahead_overhead_s,
             plain_overhead_s=self._plain_overhead_s, opening_overhead_s=self._opening_overhead_s,
             probe_s=self._probe_s, pipelined=self._pipelined,
-            acceptance=self._accepted / self._trials if self._trials > 0 else None,
-            tested=tuple(t / cycles for t in self._tested) if cycles > 0 else (),
-            passed=tuple(p / cycles for p in self._passed) if cycles > 0 else (),
+            acceptance=self._own_accepted / self._own_trials if self._own_trials > 0 else None,
+            tested=tuple(t / cycles for t in self._own_tested) if cycles > 0 else (),
+            passed=tuple(p / cycles for p in self._own_passed) if cycles > 0 else (),
             calibration_weight=weight, calibration_survived=survived,
+            trials=self._own_trials, accepted=self._own_accepted,
+            tested_counts=tuple(self._own_tested), passed_counts=tuple(self._own_passed),
         )
 
     def _start_from(self, e: PolicyEstimates, forwards: float, cycles: float, trials: float, confidences: float,
@@ -232,16 +242,16 @@ class Measurements:
 
     def _measure_positions(self, k: int, num_accepted: int) -> None:
         """Token j was tested iff j <= num_accepted (tests stop at the first rejection)."""
-        grow = k - len(self._tested)
-        if grow > 0:
-            self._tested.extend([0.0] * grow)
-            self._passed.extend([0.0] * grow)
+        for counts in (self._tested, self._passed, self._own_tested, self._own_passed):
+            counts.extend([0.0] * (k - len(counts)))
         for j in range(len(self._tested)):
             self._tested[j] *= self.decay
             self._passed[j] *= self.decay
         for j in range(min(k, num_accepted + 1)):
             self._tested[j] += 1.0
             self._passed[j] += 1.0 if j < num_accepted else 0.0
+            self._own_tested[j] += 1.0
+            self._own_passed[j] += 1.0 if j < num_accepted else 0.0
 
     def _ewma(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1.0 - self.decay) * new

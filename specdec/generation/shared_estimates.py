@@ -22,7 +22,7 @@ Pure bookkeeping, like adaptive.py: no I/O, no clocks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -45,6 +45,12 @@ class PolicyEstimates:
     passed: tuple[float, ...] = ()
     calibration_weight: tuple[float, ...] = ()  # the confidence bins' shares of the observations
     calibration_survived: tuple[float, ...] = ()
+    # The turn's own acceptance evidence as counts (a warm start's pseudo-counts left out): what the
+    # route pools, by evidence rather than by turn (SharedEstimates.absorb).
+    trials: float = 0.0  # acceptance tests
+    accepted: float = 0.0
+    tested_counts: tuple[float, ...] = ()  # [j]: cycles whose draft token j was tested
+    passed_counts: tuple[float, ...] = ()  # ... and accepted
 
 
 def _blend(old, new, keep: float):
@@ -84,16 +90,51 @@ def merge(old: PolicyEstimates | None, new: PolicyEstimates, keep: float) -> Pol
 
 @dataclass
 class SharedEstimates:
-    """One route's running average of what its adaptive turns measured."""
+    """One route's running average of what its adaptive turns measured.
+
+    Costs are averaged per snapshot. Acceptance is pooled by evidence instead (every turn's accepted
+    and tested tokens, the older fading by `keep` per snapshot): averaged per turn, a turn that
+    switched off after two one-token cycles weighed as much as one that drafted all its answer, and
+    since a turn's estimate held the warm start it began from, a route that met a few unpredictable
+    turns stayed pessimistic: every later turn opened at one token, switched off within two cycles
+    with next to no evidence of its own, and handed the pessimism on (two GPUs, a mix of prompts
+    at alpha 0.5-1.0: 64% of the tokens plain, 10% behind k = 2; BENCHMARKS.md, round 27)."""
 
     keep: float = 0.8  # per absorbed snapshot: the last ten or so turns matter
     absorb_every: int = 32  # cycles between a long turn's snapshots
     estimates: PolicyEstimates | None = None
     absorbed: int = 0
+    _trials: float = 0.0  # pooled acceptance evidence
+    _accepted: float = 0.0
+    _tested: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    _passed: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
-    def absorb(self, estimates: PolicyEstimates) -> None:
-        self.estimates = merge(self.estimates, estimates, self.keep)
+    def absorb(self, estimates: PolicyEstimates, since: PolicyEstimates | None = None) -> None:
+        """A turn's snapshot; since: its previous snapshot, whose evidence the route already holds."""
+        self._pool(estimates, since or PolicyEstimates())
+        merged = merge(self.estimates, estimates, self.keep)
+        cycles = self._tested[0] if self._tested.size else 0.0
+        self.estimates = replace(
+            merged, acceptance=self._accepted / self._trials if self._trials > 0 else None,
+            tested=tuple((self._tested / cycles).tolist()) if cycles > 0 else (),
+            passed=tuple((self._passed / cycles).tolist()) if cycles > 0 else (),
+            trials=0.0, accepted=0.0, tested_counts=(), passed_counts=())
         self.absorbed += 1
+
+    def _pool(self, new: PolicyEstimates, old: PolicyEstimates) -> None:
+        def grown(pooled: np.ndarray, size: int) -> np.ndarray:
+            return np.pad(pooled, (0, max(0, size - pooled.size)))
+
+        def delta(now: tuple[float, ...], before: tuple[float, ...]) -> np.ndarray:
+            return np.asarray(now, dtype=float) - grown(np.asarray(before, dtype=float), len(now))[: len(now)]
+
+        self._trials = self.keep * self._trials + new.trials - old.trials
+        self._accepted = self.keep * self._accepted + new.accepted - old.accepted
+        size = max(self._tested.size, len(new.tested_counts))
+        self._tested = self.keep * grown(self._tested, size)
+        self._passed = self.keep * grown(self._passed, size)
+        self._tested[: len(new.tested_counts)] += delta(new.tested_counts, old.tested_counts)
+        self._passed[: len(new.passed_counts)] += delta(new.passed_counts, old.passed_counts)
 
 
 class SharingPolicy:
@@ -105,11 +146,14 @@ class SharingPolicy:
         if shared.estimates is not None:
             policy.warm_start(shared.estimates)
         self._shared_at = policy.cycles  # the policy's cycle count when it last added its estimates
+        self._shared: PolicyEstimates | None = None  # what it added then
 
     def share(self, ended: bool = False) -> None:
         if self.policy.cycles - self._shared_at >= (1 if ended else self.shared.absorb_every):
             self._shared_at = self.policy.cycles
-            self.shared.absorb(self.policy.estimates())
+            estimates = self.policy.estimates()
+            self.shared.absorb(estimates, since=self._shared)
+            self._shared = estimates
 
 
 @dataclass
