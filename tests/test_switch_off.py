@@ -28,23 +28,30 @@ PLAIN_S, STREAMED_S, OPENING_S, QUEUED_S = 0.0065, 0.0005, 0.0032, 0.0001
 PLAIN_RATE = 1.0 / (PLAIN_S + STREAMED_S)
 
 
-def simulate(make_policy, alpha, turns=20, tokens_per_turn=128, report_openings=True, jitter=0.1, seed=0,
-             slow_first_propose=False):
-    """Tokens per second of turns of 128 tokens (each policy warm-started from the earlier turns, as
-    the coordinator does), pipelined cycles and streamed plain runs at the costs above, every drafted
-    token accepted with probability alpha (a number, or one per turn), the policy's measurements off
-    by `jitter` (relative).
-    report_openings=False: the loop as in round 23, which did not tell an opening step apart.
-    slow_first_propose: the first steady cycle's draft reports four times its time (a pause)."""
+def simulate(make_policy, alpha, turns=20, **kwargs):
+    """Tokens per second of turns of 128 tokens at acceptance alpha (simulate_turns)."""
+    per_turn = simulate_turns(make_policy, list(alpha) if isinstance(alpha, (list, tuple)) else [alpha] * turns,
+                              **kwargs)
+    return sum(tokens for tokens, _ in per_turn) / sum(seconds for _, seconds in per_turn)
+
+
+def simulate_turns(make_policy, alphas, tokens_per_turn=128, report_openings=True, jitter=0.1, seed=0,
+                   slow_first_propose=False, first_turn_tokens=None):
+    """(tokens, seconds) of each turn (each policy warm-started from the earlier turns, as the
+    coordinator does), pipelined cycles and streamed plain runs at the costs above, every drafted
+    token of turn i accepted with probability alphas[i], the policy's measurements off by `jitter`
+    (relative). report_openings=False: the loop as in round 23, which did not tell an opening step
+    apart. slow_first_propose: the first steady cycle's draft reports four times its time (a pause).
+    first_turn_tokens: a shorter first turn (the benchmark's warm-up request)."""
     rng = random.Random(seed)
-    shared, seconds, tokens = SharedEstimates(), 0.0, 0
-    alphas = list(alpha) if isinstance(alpha, (list, tuple)) else [alpha] * turns  # or one per turn
-    for alpha in alphas:
+    shared, per_turn = SharedEstimates(), []
+    for turn, alpha in enumerate(alphas):
+        seconds, limit = 0.0, first_turn_tokens if turn == 0 and first_turn_tokens else tokens_per_turn
         policy = make_policy()
         if shared.estimates is not None:
             policy.warm_start(shared.estimates)
         ahead, caught_up, run_left, produced = False, True, 0, 0
-        while produced < tokens_per_turn:
+        while produced < limit:
             noisy = lambda s: s * max(0.1, 1.0 + jitter * rng.gauss(0.0, 1.0))  # noqa: E731
             k = policy.next_k()
             if k == 0:
@@ -71,9 +78,9 @@ def simulate(make_policy, alpha, turns=20, tokens_per_turn=128, report_openings=
             seconds += before + max(verify, beside) + overhead
             produced += accepted + 1
             ahead, caught_up = accepted == k and rng.random() < alpha, True
-        tokens += produced
+        per_turn.append((produced, seconds))
         shared.absorb(policy.estimates())
-    return tokens / seconds
+    return per_turn
 
 
 def mean_rate(make_policy, alpha, seeds=6, **kwargs):
