@@ -174,3 +174,16 @@ def test_the_coordinator_takes_local_ngram_as_a_draft_only():
     for bad in (["--target", "local:ngram"], ["--draft", "local:eagle"], ["--draft", "d"]):
         with pytest.raises(ConfigError, match="an endpoint is host:port"):
             settings_from_args(parser.parse_args([*base, *bad]))
+
+
+def test_an_unknown_log_level_is_refused_before_the_service_starts(monkeypatch, capsys):
+    """SPECDEC_LOG_LEVEL: any case of the standard levels; anything else exits 2 with what is allowed."""
+    from specdec.server import service
+    from target_service.main import build_parser
+
+    started = []
+    monkeypatch.setenv("SPECDEC_LOG_LEVEL", "verbose")
+    assert service.main(build_parser(), started.append, ["--plaintext", "--model", "m"]) == 2
+    assert started == [] and "use DEBUG, INFO, WARNING, ERROR or CRITICAL" in capsys.readouterr().err
+    monkeypatch.setenv("SPECDEC_LOG_LEVEL", "debug")
+    assert service.main(build_parser(), lambda args: 0, ["--plaintext", "--model", "m"]) == 0

@@ -179,7 +179,12 @@ def main(parser: argparse.ArgumentParser, run_from_args: Callable[[argparse.Name
          argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # SPECDEC_LOG_LEVEL=DEBUG: e.g. the coordinator's per-turn trace of draft lengths (generation/loop.py)
-    logging.basicConfig(level=os.environ.get("SPECDEC_LOG_LEVEL", "INFO").upper(), format=LOG_FORMAT)
+    level = os.environ.get("SPECDEC_LOG_LEVEL", "INFO").strip().upper()
+    if level not in ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG"):
+        print(f"SPECDEC_LOG_LEVEL={level!r} is not a log level; use DEBUG, INFO, WARNING, ERROR or CRITICAL",
+              file=sys.stderr)
+        return 2
+    logging.basicConfig(level=level, format=LOG_FORMAT)
     return run_from_args(args)
 
 
