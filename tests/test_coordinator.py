@@ -253,10 +253,11 @@ async def test_another_coordinator_resumes_a_stream_cut_by_graceful_shutdown(red
                            server={"grace_period_s": 5.0}) as a:
         turn1 = await a.generate(prompt=PROMPTS[0], max_new_tokens=8)
         session_id = turn1[-1].session_id
-        call = a.stub.Generate(request(session_id=session_id, prompt=" more", raw=True, max_new_tokens=80))
+        call = a.stub.Generate(request(session_id=session_id, prompt=" more", raw=True, max_new_tokens=160))
         got = await read_some(call, 3)
-        # What SIGTERM does (main.serve_coordinator), with a short drain: running turns get 0.1 s.
-        drain = asyncio.ensure_future(a.coordinator.sessions.drain(0.2))
+        # What SIGTERM does (main.serve_coordinator), with a short drain: running turns get 10 ms. (With
+        # 0.1 s and 80 tokens, which took 110 ms after the third message, the turn sometimes finished.)
+        drain = asyncio.ensure_future(a.coordinator.sessions.drain(0.02))
         a.host.begin_shutdown()
         with pytest.raises(grpc.aio.AioRpcError) as ended:
             async for m in call:
@@ -267,7 +268,7 @@ async def test_another_coordinator_resumes_a_stream_cut_by_graceful_shutdown(red
     async with coordinator(redis_url, dirs, services, "random", prefix=prefix) as b:
         assert (await b.session(session_id)).state == pb.SESSION_STATE_INTERRUPTED
         rest = await b.generate(session_id=session_id, resume=got[-1].position)
-        assert tokens_of(got) + tokens_of(rest) == expected(reference, conversation, 80)
+        assert tokens_of(got) + tokens_of(rest) == expected(reference, conversation, 160)
 
 
 async def test_cancel_stops_the_turn_frees_caches_and_the_session_continues(redis_url, dirs, services, reference):
