@@ -96,8 +96,8 @@ class SharedEstimates:
     and tested tokens, the older fading by `keep` per snapshot): averaged per turn, a turn that
     switched off after two one-token cycles weighed as much as one that drafted all its answer, and
     since a turn's estimate held the warm start it began from, a route that met a few unpredictable
-    turns stayed pessimistic: every later turn opened at one token, switched off within two cycles
-    with next to no evidence of its own, and handed the pessimism on (two GPUs, a mix of prompts
+    turns stayed pessimistic: later turns opened at one token, switched off within two cycles with
+    next to no evidence of their own, and handed the pessimism on (two GPUs, a mix of prompts
     at alpha 0.5-1.0: 64% of the tokens plain, 10% behind k = 2; BENCHMARKS.md, round 27)."""
 
     keep: float = 0.8  # per absorbed snapshot: the last ten or so turns matter
