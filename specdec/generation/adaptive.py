@@ -202,6 +202,14 @@ class DraftLengthPolicy(Measurements):
         self._probe_interval = self._last_wait = min(wait, self.longest_probe_wait)
         return 0
 
+    def summary(self) -> str:
+        """The estimates the verdicts rest on, in words (the loop's DEBUG trace of a turn)."""
+        plain = self._plain_cost()
+        if plain is None or self._draft_s is None:
+            return f"acceptance {self.acceptance:.2f}, no costs yet"
+        cycles = ", ".join(f"k{k} {self.cycle_cost(k) * 1000:.1f}ms" for k in (1, 2, 3, 4))
+        return f"acceptance {self.acceptance:.2f}, plain {plain * 1000:.1f}ms/token, cycles {cycles}"
+
     def _probe_length(self) -> int:
         """A probe's draft length: the best by the estimates with the optimism bonus, from 1 to
         `initial` (a probe at k = 4 where only k = 1 might pay costs the most)."""

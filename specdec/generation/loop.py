@@ -267,13 +267,7 @@ class SpeculativeLoop:
                 self.sharing.share()
 
     def _log_trace(self, session_id: str) -> None:
-        policy, estimates = self.policy, ""
-        if policy is not None and policy.adapt:
-            plain = policy._plain_cost()
-            costs = " ".join(f"k{k} {policy.cycle_cost(k) * 1000:.1f}ms" for k in (1, 2, 3, 4)) \
-                if plain is not None and policy._draft_s is not None else "no costs yet"
-            estimates = (f"; acceptance {policy.acceptance:.2f}, plain {plain * 1000 if plain else 0:.1f}ms/token, "
-                         f"cycles {costs}")
+        estimates = f"; {self.policy.summary()}" if self.policy is not None and self.policy.adapt else ""
         log.debug("session %s: cycles (drafted:accepted, . plain) %s%s", session_id, " ".join(self._trace), estimates)
 
     def _draft_length(self, cursor: SessionCursor, stop: StopChecker, ahead: int = 0) -> int:
