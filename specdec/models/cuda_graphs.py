@@ -110,6 +110,7 @@ class StaticForward:
         with torch.cuda.stream(side):
             self.run()
         torch.cuda.current_stream(m.device).wait_stream(side)
+        settle_devices()
         self.graph = torch.cuda.CUDAGraph()
         # Our own capture stream: torch.cuda.graph's default one is created once, on whichever device
         # was current then, and capturing a cuda:1 model on a cuda:0 stream fails.
@@ -126,6 +127,18 @@ class StaticForward:
             return self.run(), logit_rows
         self.graph.replay()
         return self.hidden, logit_rows
+
+
+def settle_devices() -> None:
+    """Before a capture: let every device in use finish its work. torch.cuda.graph synchronizes only
+    the current device before it collects garbage; a model on another device freed by that
+    collection (a draft on cuda:1 dropped while cuda:0 captures) with work of its own still queued
+    failed the capture with cudaErrorStreamCaptureInvalidated (2 x H200: the two GPU tests below in
+    pytest's order, 4 runs of 4 on two machines; none once both devices were synchronized first).
+    A device with no memory reserved is skipped: synchronizing it would create a CUDA context there."""
+    for index in range(torch.cuda.device_count()):
+        if torch.cuda.memory_reserved(index) > 0:
+            torch.cuda.synchronize(index)
 
 
 class GraphRunner:
