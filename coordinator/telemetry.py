@@ -21,7 +21,7 @@ from opentelemetry.trace import SpanKind
 
 from specdec.errors import ServiceUnavailable, SessionNotFound
 from specdec.engine.cycle_cost import CycleCost
-from specdec.generation.loop import LoopObserver
+from specdec.generation.session import LoopObserver
 from specdec.observability import spans
 from specdec.observability.metrics import CoordinatorMetrics
 from specdec.store import SessionStats

@@ -20,7 +20,8 @@ from specdec.engine.api import InnerDraft
 from specdec.engine.cycle_cost import measure_cycle
 from specdec.errors import SessionNotFound, SpecDecError
 from specdec.generation import draft_opening
-from specdec.generation.loop import GenerationResult, LoopSettings, SessionCursor, SpeculativeLoop
+from specdec.generation.loop import SpeculativeLoop
+from specdec.generation.session import GenerationResult, LoopSettings, SessionCursor
 from specdec.generation.shared_estimates import SharedEstimates, SharedEstimatesByRoute
 from specdec.generation.stats import SpeculationStats
 from specdec.generation.stopping import FinishReason, StopChecker

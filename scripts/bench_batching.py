@@ -85,7 +85,8 @@ async def run_cell(args, target_address, draft_address, prompts, concurrency: in
     """`concurrency` workers, each generating one session after another (prompts round robin) for
     args.seconds; the tokens emitted inside that window count (prefills included in the time)."""
     from draft_service.client import connect as connect_draft
-    from specdec.generation.loop import LoopSettings, SpeculativeLoop, start_generation
+    from specdec.generation.loop import SpeculativeLoop, start_generation
+    from specdec.generation.session import LoopSettings
     from specdec.generation.stats import SpeculationStats
     from specdec.generation.stopping import StopChecker
     from specdec.sampling.params import SamplingParams

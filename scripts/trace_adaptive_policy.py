@@ -78,7 +78,8 @@ def main() -> None:
 
 async def _turns(args, tokenizer, rows, target_address: str, draft_address: str) -> None:
     from draft_service.client import connect as connect_draft
-    from specdec.generation.loop import LoopSettings, SpeculativeLoop, start_generation
+    from specdec.generation.loop import SpeculativeLoop, start_generation
+    from specdec.generation.session import LoopSettings
     from specdec.generation.stopping import StopChecker
     from specdec.sampling.params import SamplingParams
     from specdec.server.settings import ClientSettings

@@ -56,7 +56,7 @@ def test_costly_verification_shortens_the_draft():
 def test_adaptive_loop_stays_lossless(tmp_path_factory, kind):
     from test_engine_loop import draft_engine, run, target_engine  # the tiny-model harness
 
-    from specdec.generation.loop import LoopSettings
+    from specdec.generation.session import LoopSettings
     from specdec.sampling.params import SamplingParams
     from specdec.testing.tiny_models import make_tiny_model
 

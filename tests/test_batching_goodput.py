@@ -242,7 +242,8 @@ async def test_a_target_that_refuses_drafts_gets_no_probes(tiny_dir):
     step that no draft would be verified, it does not probe at all."""
     from specdec.engine.draft import DraftEngine
     from specdec.engine.local import LocalDraft, LocalTarget
-    from specdec.generation.loop import LoopSettings, generate
+    from specdec.generation.loop import generate
+    from specdec.generation.session import LoopSettings
     from specdec.generation.stopping import StopChecker
     from specdec.proposers.draft_model import DraftModelProposer
 
@@ -264,7 +265,8 @@ async def test_a_target_that_refuses_drafts_gets_no_probes(tiny_dir):
 async def test_the_adaptive_loop_stops_drafting_when_the_target_trims(tiny_dir):
     from specdec.engine.draft import DraftEngine
     from specdec.engine.local import LocalDraft, LocalTarget
-    from specdec.generation.loop import LoopSettings, generate
+    from specdec.generation.loop import generate
+    from specdec.generation.session import LoopSettings
     from specdec.generation.stopping import StopChecker
     from specdec.proposers.draft_model import DraftModelProposer
 

@@ -16,7 +16,8 @@ from draft_service.client import connect as connect_draft
 from service_procs import launch, stop_all, tiny_model_dir, wait_all
 from specdec.engine.local import LocalTarget
 from specdec.engine.target import TargetEngine
-from specdec.generation.loop import LoopSettings, generate
+from specdec.generation.loop import generate
+from specdec.generation.session import LoopSettings
 from specdec.generation.stopping import StopChecker
 from specdec.models.loader import load_model
 from specdec.sampling.params import SamplingMode, SamplingParams

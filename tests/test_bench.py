@@ -93,7 +93,8 @@ def test_replay_proposer_is_lossless_and_accepts_what_alpha_says(models):
     from specdec.engine.draft import DraftEngine
     from specdec.engine.local import LocalDraft, LocalTarget
     from specdec.engine.target import TargetEngine
-    from specdec.generation.loop import LoopSettings, generate
+    from specdec.generation.loop import generate
+    from specdec.generation.session import LoopSettings
     from specdec.generation.stopping import StopChecker
     from specdec.models.loader import load_model
     from specdec.proposers.replay import ReplayProposer

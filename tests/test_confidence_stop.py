@@ -8,7 +8,7 @@ import torch
 
 from specdec.generation.adaptive import DraftLengthPolicy
 from specdec.generation.confidence import ConfidenceCalibration
-from specdec.generation.loop import LoopSettings
+from specdec.generation.session import LoopSettings
 from specdec.models.loader import load_model
 from specdec.proposers.draft_model import DraftModelProposer
 from specdec.sampling.params import SamplingMode, SamplingParams

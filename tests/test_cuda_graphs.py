@@ -18,7 +18,8 @@ from specdec.engine.local import LocalDraft, LocalTarget
 from specdec.engine.target import TargetEngine
 from specdec.errors import InvalidArgument
 from specdec.generation.equality import compare_outputs
-from specdec.generation.loop import LoopSettings, generate
+from specdec.generation.loop import generate
+from specdec.generation.session import LoopSettings
 from specdec.generation.stopping import StopChecker
 from specdec.models.cuda_graphs import MAX_TOKENS_PER_ROW, Shape, use_cuda_graphs
 from specdec.models.llama import LlamaModel

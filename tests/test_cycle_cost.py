@@ -11,7 +11,8 @@ from specdec.engine.batcher import Batcher, StepTiming
 from specdec.engine.target_stream import decode_steps
 from specdec.engine.cycle_cost import (DRAFT, TARGET, CycleCost, beside_verify, measure_cycle, report_model_time,
                                        unmeasured)
-from specdec.generation.loop import LoopObserver, LoopSettings, SpeculativeLoop
+from specdec.generation.loop import SpeculativeLoop
+from specdec.generation.session import LoopObserver, LoopSettings
 from specdec.generation.stats import SpeculationStats
 from specdec.generation.stopping import StopChecker
 from specdec.server.executor import ModelExecutor
@@ -131,7 +132,7 @@ class _FakeTarget:
 
 
 async def test_the_loop_accounts_every_cycle_and_tells_the_observer():
-    from specdec.generation.loop import SessionCursor
+    from specdec.generation.session import SessionCursor
     from specdec.sampling.params import SamplingParams
 
     observer = _CountingObserver()
@@ -152,7 +153,7 @@ async def test_the_loop_accounts_every_cycle_and_tells_the_observer():
 
 
 async def test_a_streamed_plain_run_pays_its_round_trip_once_and_accounts_every_token():
-    from specdec.generation.loop import SessionCursor
+    from specdec.generation.session import SessionCursor
     from specdec.sampling.params import SamplingParams
 
     observer, target = _CountingObserver(), _FakeTarget(0.004, 0.003)

@@ -12,7 +12,8 @@ from service_procs import TEST_ENV, tiny_model_dir
 
 from specdec.engine.local import LocalTarget
 from specdec.engine.target import TargetEngine
-from specdec.generation.loop import LoopSettings, generate
+from specdec.generation.loop import generate
+from specdec.generation.session import LoopSettings
 from specdec.generation.stopping import StopChecker
 from specdec.models.loader import load_model
 from specdec.models.tokenizer import encode_prompt, load_tokenizer

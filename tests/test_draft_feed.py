@@ -19,7 +19,8 @@ from specdec.engine.draft import DraftEngine
 from specdec.engine.local import LocalDraft, LocalTarget
 from specdec.engine.target import TargetEngine
 from specdec.generation.adaptive import DraftLengthPolicy
-from specdec.generation.loop import LoopObserver, LoopSettings, SpeculativeLoop, start_generation
+from specdec.generation.loop import SpeculativeLoop, start_generation
+from specdec.generation.session import LoopObserver, LoopSettings
 from specdec.generation.stopping import StopChecker
 from specdec.models.loader import load_model
 from specdec.proposers.draft_model import DraftModelProposer

@@ -9,7 +9,7 @@ import pytest
 
 from specdec.errors import ServiceUnavailable
 from specdec.generation import draft_opening
-from specdec.generation.loop import SessionCursor
+from specdec.generation.session import SessionCursor
 from specdec.sampling.params import SamplingParams
 
 
@@ -83,7 +83,8 @@ async def test_the_first_cycle_after_an_opening_is_no_steady_cycle_and_the_outpu
     from specdec.engine.local import LocalDraft, LocalTarget
     from specdec.engine.target import TargetEngine
     from specdec.generation.adaptive import DraftLengthPolicy
-    from specdec.generation.loop import LoopSettings, SpeculativeLoop, start_generation
+    from specdec.generation.loop import SpeculativeLoop, start_generation
+    from specdec.generation.session import LoopSettings
     from specdec.generation.stopping import StopChecker
     from specdec.models.loader import load_model
     from specdec.proposers.draft_model import DraftModelProposer

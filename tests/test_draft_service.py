@@ -22,7 +22,8 @@ from specdec import errors
 from specdec.engine.draft import DraftEngine
 from specdec.engine.local import LocalDraft, LocalTarget
 from specdec.engine.target import TargetEngine
-from specdec.generation.loop import LoopSettings, generate
+from specdec.generation.loop import generate
+from specdec.generation.session import LoopSettings
 from specdec.generation.stopping import StopChecker
 from specdec.models.loader import load_model
 from specdec.models.tokenizer import load_tokenizer, vocab_fingerprint

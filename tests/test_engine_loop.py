@@ -12,7 +12,8 @@ import torch
 from specdec.engine.draft import DraftEngine
 from specdec.engine.local import LocalDraft, LocalTarget
 from specdec.engine.target import TargetEngine
-from specdec.generation.loop import LoopSettings, generate
+from specdec.generation.loop import generate
+from specdec.generation.session import LoopSettings
 from specdec.generation.stopping import FinishReason, StopChecker
 from specdec.models.loader import load_model
 from specdec.proposers.copy_guess import CopyRule

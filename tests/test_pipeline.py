@@ -14,7 +14,7 @@ from specdec.engine.draft_batch import ProposeWork, run_propose_batch
 from specdec.engine.local import LocalDraft, LocalTarget
 from specdec.engine.target import TargetEngine
 from specdec.errors import EpochMismatch, InvalidArgument, PositionMismatch
-from specdec.generation.loop import LoopObserver, LoopSettings
+from specdec.generation.session import LoopObserver, LoopSettings
 from specdec.generation.stopping import StopChecker
 from specdec.models.loader import load_model
 from specdec.proposers.draft_model import DraftModelProposer

@@ -19,7 +19,8 @@ from specdec.engine.local import LocalDraft, LocalTarget
 from specdec.engine.target import TargetEngine
 from specdec.proposers.draft_model import DraftModelProposer
 from specdec.rpc import coordinator_pb2 as pb
-from specdec.generation.loop import LoopSettings, generate
+from specdec.generation.loop import generate
+from specdec.generation.session import LoopSettings
 from specdec.generation.stopping import StopChecker
 from specdec.models.loader import load_model
 from specdec.sampling.params import SamplingParams

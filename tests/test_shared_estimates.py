@@ -179,7 +179,7 @@ def test_turns_through_the_loop_share_their_estimates_and_stay_lossless(tmp_path
     from test_engine_loop import draft_engine, run, target_engine  # the tiny-model harness
 
     from specdec.generation import loop as loop_module
-    from specdec.generation.loop import LoopSettings
+    from specdec.generation.session import LoopSettings
     from specdec.sampling.params import SamplingParams
     from specdec.testing.tiny_models import make_tiny_model
 

@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING
 from specdec.engine.cycle_cost import unmeasured
 
 if TYPE_CHECKING:
-    from specdec.generation.loop import SessionCursor, SpeculativeLoop
+    from specdec.generation.loop import SpeculativeLoop
+    from specdec.generation.session import SessionCursor
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from specdec.engine.cycle_cost import unmeasured
 
 if TYPE_CHECKING:
     from specdec.engine.api import DraftAPI
-    from specdec.generation.loop import SessionCursor
+    from specdec.generation.session import SessionCursor
 
 
 def open_beside_prefill(draft: "DraftAPI", cursor: "SessionCursor", prompt: Sequence[int]) -> None:

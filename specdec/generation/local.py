@@ -13,7 +13,8 @@ from typing import Callable, Sequence
 from specdec.engine.draft import DraftEngine
 from specdec.engine.local import LocalDraft, LocalTarget
 from specdec.engine.target import TargetEngine
-from specdec.generation.loop import GenerationResult, LoopSettings, generate
+from specdec.generation.loop import generate
+from specdec.generation.session import GenerationResult, LoopSettings
 from specdec.generation.stopping import FinishReason, StopChecker, trim_at_stop
 from specdec.models.loader import load_model
 from specdec.models.registry import resolve_model

@@ -40,7 +40,8 @@ from specdec.generation.stopping import StopChecker
 from specdec.types import VerifyOutcome
 
 if TYPE_CHECKING:  # the loop imports this module; the type alone goes the other way
-    from specdec.generation.loop import SessionCursor, SpeculativeLoop
+    from specdec.generation.loop import SpeculativeLoop
+    from specdec.generation.session import SessionCursor
 
 log = logging.getLogger(__name__)
 
