@@ -61,6 +61,10 @@ class _Batch:
     slots: tuple[int, ...] = ()
     row_key_lens: tuple[int, ...] = ()
     row_tokens: tuple[int, ...] = ()  # each row's own tokens (the rest of the width is padding)
+    # Rows of different lengths (a verify among decodes): the flat [B * T] positions of the real
+    # tokens [N]. Every per-token tensor above then holds the N real tokens only, and attention alone
+    # sees the padded [B, T] layout (see _attention). None: every row is T tokens long.
+    packed_index: torch.Tensor | None = None
 
 
 class LlamaModel:
@@ -277,10 +281,13 @@ class LlamaModel:
         keys, values = self.cache.layer(index)  # [slots, KV, ctx + 1, D]
         keys.view(-1, head_dim).index_copy_(0, b.write_index, qk[:, heads:].reshape(-1, head_dim))
         values.view(-1, head_dim).index_copy_(0, b.write_index, qkv[:, heads + kv_heads :].reshape(-1, head_dim))
-        q = qk[:, :heads].view(b.num_rows, b.width, heads, head_dim).transpose(1, 2)  # [B, H, T, D]
-        if self.attend_in_place and b.slot_index is not None and b.slots:
-            out = _attention_in_place(q, keys, values, b)  # [B, H, T, D]
+        q = qk[:, :heads]  # [tokens, H, D]
+        if self.attend_in_place and b.slots and (b.slot_index is not None or b.packed_index is not None):
+            out = _attention_in_place(q, keys, values, b)  # [tokens, H * D]
         else:
+            if b.packed_index is not None:  # the real tokens into the padded layout
+                q = q.new_zeros(b.num_rows * b.width, heads, head_dim).index_copy_(0, b.packed_index, q)
+            q = q.reshape(b.num_rows, b.width, heads, head_dim).transpose(1, 2)  # [B, H, T, D]
             keys, values = _gather(keys, b), _gather(values, b)  # [B, KV, L, D]
             if self.group_queries and heads != kv_heads and not b.is_causal:
                 out = _grouped_attention(q, keys, values, b.mask)
@@ -288,7 +295,9 @@ class LlamaModel:
                 out = F.scaled_dot_product_attention(
                     q, keys, values, attn_mask=b.mask, is_causal=b.is_causal, enable_gqa=heads != kv_heads
                 )  # [B, H, T, D]
-        out = out.transpose(1, 2).reshape(-1, heads * head_dim)  # [B * T, H * D]
+            out = out.transpose(1, 2).reshape(-1, heads * head_dim)  # [B * T, H * D]
+            if b.packed_index is not None:
+                out = out.index_select(0, b.packed_index)  # [N, H * D]: the padding's outputs dropped
         x = self.linear.add(x, out, w.wo)  # residual fused
         return x if w.bo is None else x + w.bo
 
@@ -330,14 +339,28 @@ class LlamaModel:
             mask = (torch.arange(key_len) <= positions[:, :, None])[:, None]  # [B, 1, T, L]
         contiguous = slots == list(range(slots[0], slots[0] + B))
         dev = self.device
-        flat_pos = positions.view(-1).to(dev)
+        tokens, positions, write_index = tokens.view(-1), positions.view(-1), write_index.view(B * T, -1)
+        logit_index = torch.tensor(logit_rows, dtype=torch.long)
+        packed = None
+        if sum(lengths) < B * T:
+            # Only the real tokens go through the projections and the MLP: padded, one verify of 5
+            # tokens among 15 decodes cost a CPU step 281 ms against 100 ms for the decodes alone
+            # (docs/BENCHMARKS.md, round 28). The cache's write index, rope tables and the logit rows
+            # follow the packing; attention runs row by row on each row's own tokens (in place, on a
+            # CPU) or scatters q into the padded layout and gathers the real tokens back.
+            packed = torch.cat([torch.arange(i * T, i * T + n) for i, n in enumerate(lengths)])
+            to_packed = torch.full((B * T,), -1, dtype=torch.long)
+            to_packed[packed] = torch.arange(len(packed))
+            tokens, positions, write_index = tokens[packed], positions[packed], write_index[packed]
+            logit_index = to_packed[logit_index]
         return _Batch(
-            num_rows=B, width=T, key_len=key_len, tokens=tokens.view(-1).to(dev),
-            cos=self._cos[flat_pos][:, None], sin=self._sin[flat_pos][:, None],
-            write_index=write_index.view(-1).to(dev), slot_index=None if contiguous else slot_t.to(dev),
+            num_rows=B, width=T, key_len=key_len, tokens=tokens.to(dev),
+            cos=self._cos[positions.to(dev)][:, None], sin=self._sin[positions.to(dev)][:, None],
+            write_index=write_index.reshape(-1).to(dev), slot_index=None if contiguous else slot_t.to(dev),
             first_slot=slots[0], mask=None if mask is None else mask.to(dev),
-            is_causal=fresh_prefill and T > 1, logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=dev),
+            is_causal=fresh_prefill and T > 1, logit_rows=logit_index.to(dev),
             slots=tuple(slots), row_key_lens=tuple(s + n for s, n in zip(starts, lengths)), row_tokens=tuple(lengths),
+            packed_index=None if packed is None else packed.to(dev),
         )
 
 
@@ -379,18 +402,23 @@ def _gather(cache: torch.Tensor, b: _Batch) -> torch.Tensor:
 
 
 def _attention_in_place(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, b: _Batch) -> torch.Tensor:
-    """Attention of q [B, H, T, D] row by row, each over its own slot's keys and values where the
-    cache holds them ([slots, KV, ctx + 1, D]), up to the row's own length. On a CPU, gathering the
+    """Attention of q [tokens, H, D] (each row's T tokens, or with b.packed_index its own tokens only)
+    row by row, each over its own slot's keys and values where the cache holds them ([slots, KV,
+    ctx + 1, D]), up to the row's own length; returns [tokens, H * D]. On a CPU, gathering the
     rows' slots into one [B, KV, L, D] tensor copied the batch's whole cache every layer: 16 decode
     rows at contexts of 250-400 took 143 ms a step against 112 ms for the same rows in one slot range
     (a view). Row by row it is the masked batched arithmetic, the padding left out. A row of one token
     (a decode) attends to every key up to its own length, so it needs no mask (SDPA converts one each call)."""
-    out = []
+    out, first = [], 0
     for i, (slot, key_len, num_tokens) in enumerate(zip(b.slots, b.row_key_lens, b.row_tokens)):
-        mask = None if b.mask is None or num_tokens == 1 else b.mask[i : i + 1, :, :, :key_len]
-        out.append(F.scaled_dot_product_attention(
-            q[i : i + 1], keys[slot : slot + 1, :, :key_len], values[slot : slot + 1, :, :key_len],
-            attn_mask=mask, is_causal=b.is_causal, enable_gqa=q.shape[1] != keys.shape[1]))  # [1, H, T, D]
+        width = num_tokens if b.packed_index is not None else b.width
+        q_row = q[first : first + width].transpose(0, 1)[None]  # [1, H, width, D]
+        first += width
+        mask = None if b.mask is None or num_tokens == 1 else b.mask[i : i + 1, :, :width, :key_len]
+        row = F.scaled_dot_product_attention(
+            q_row, keys[slot : slot + 1, :, :key_len], values[slot : slot + 1, :, :key_len],
+            attn_mask=mask, is_causal=b.is_causal, enable_gqa=q.shape[1] != keys.shape[1])  # [1, H, width, D]
+        out.append(row[0].transpose(0, 1).reshape(width, -1))
     return torch.cat(out)
 
 
