@@ -348,14 +348,14 @@ class LlamaModel:
             # (docs/BENCHMARKS.md, round 28). The cache's write index, rope tables and the logit rows
             # follow the packing; attention runs row by row on each row's own tokens (in place, on a
             # CPU) or scatters q into the padded layout and gathers the real tokens back.
-            packed = torch.cat([torch.arange(i * T, i * T + n) for i, n in enumerate(lengths)])
-            to_packed = torch.full((B * T,), -1, dtype=torch.long)
-            to_packed[packed] = torch.arange(len(packed))
+            real = (torch.arange(T) < torch.as_tensor(lengths)[:, None]).view(-1)  # [B * T]
+            packed = real.nonzero().squeeze(1)
             tokens, positions, write_index = tokens[packed], positions[packed], write_index[packed]
-            logit_index = to_packed[logit_index]
+            logit_index = (real.cumsum(0) - 1)[logit_index]  # a real token's flat index -> its packed one
+        positions = positions.to(dev)
         return _Batch(
             num_rows=B, width=T, key_len=key_len, tokens=tokens.to(dev),
-            cos=self._cos[positions.to(dev)][:, None], sin=self._sin[positions.to(dev)][:, None],
+            cos=self._cos[positions][:, None], sin=self._sin[positions][:, None],
             write_index=write_index.reshape(-1).to(dev), slot_index=None if contiguous else slot_t.to(dev),
             first_slot=slots[0], mask=None if mask is None else mask.to(dev),
             is_causal=fresh_prefill and T > 1, logit_rows=logit_index.to(dev),
