@@ -81,6 +81,7 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
         trim_margin: float = 0.0,
         inner_draft: DraftEngine | None = None,
         trim_cycles: bool = True,
+        step_pricing: str = "auto",
     ):
         self.engine = engine
         self.executor = executor
@@ -93,7 +94,8 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
         # With trim_drafts, each step verifies only the drafted tokens that raise the batch's
         # expected tokens per second (specdec.engine.goodput), so load never makes speculation
         # slower than plain decoding; without, every drafted token is verified.
-        self.trimmer = DraftTrimmer(margin=trim_margin, price_cycles=trim_cycles) if trim_drafts else None
+        packed = step_pricing == "packed" or (step_pricing == "auto" and getattr(engine.model, "packs_ragged_rows", False))
+        self.trimmer = DraftTrimmer(margin=trim_margin, price_cycles=trim_cycles, packed=packed) if trim_drafts else None
         step = functools.partial(run_trimmed_batch, engine, self.trimmer) if trim_drafts \
             else functools.partial(run_target_batch, engine)
         # The draft model this service hosts (--inner-draft) for DecodeStream's model_draft_tokens: its

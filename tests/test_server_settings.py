@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import argparse
 from pathlib import Path
 
@@ -157,6 +158,11 @@ def test_the_target_takes_a_trimming_margin_within_bounds():
              for mode in ("goodput", "step", "off")}
     assert [(m.trim_drafts, m.trim_cycles) for m in modes.values()] == [(True, True), (True, False), (False, False)]
     assert settings_from_args(build_parser().parse_args(base)).trim_cycles
+    # --step-pricing: auto (as the backend runs a batch) unless told; anything else is refused.
+    assert settings_from_args(build_parser().parse_args(base)).step_pricing == "auto"
+    assert settings_from_args(build_parser().parse_args([*base, "--step-pricing", "padded"])).step_pricing == "padded"
+    with pytest.raises(ConfigError, match="--step-pricing must be one of auto, packed, padded"):
+        dataclasses.replace(settings_from_args(build_parser().parse_args(base)), step_pricing="rows")
 
 
 def test_the_coordinator_takes_local_ngram_as_a_draft_only():

@@ -9,19 +9,20 @@ whole batch and what each forward costs. So before each batched step the trimmer
 draft to the prefix that maximises the batch's expected committed tokens per second (goodput, as in
 SmartSpec, Liu et al. 2024):
 
-    goodput = sum_i E_i(d_i) / T(B x W),   E_i(d) = 1 + a_i + a_i^2 + ... + a_i^d
+    goodput = sum_i E_i(d_i) / T(n),   E_i(d) = 1 + a_i + a_i^2 + ... + a_i^d
 
 E_i is Leviathan et al. (2023, sec. 3.1) with a_i the acceptance rate measured on session i's own
-verifies. A batched step pads every row to its widest row, W tokens (the native backend, and the
-CUDA graphs' shapes), so the step costs T(B x W) = alpha + beta * B * W, fitted online to the
-measured steps: one row drafting k tokens makes all B rows k wider, and rows drafting less than
-the widest one ride along for free. So the trimmer picks the step's width W (every draft cut to
-W - 1 tokens) with the best goodput. (Until 2026-11-26 it counted the tokens fed, unpadded, and
-let a lone row's draft through as if it cost its own tokens only: on 2 CPU cores at 4 sessions,
-speculation under load measured 2-20% below plain decoding.) Verifying a prefix of a draft is
-verifying a shorter draft, so the output is unchanged. The outcome's num_drafted says how many
-tokens were verified, so the coordinator's adaptive draft length sees the trimmed length and its
-cost, and shrinks k or stops drafting by itself (plain decoding while every drafted token is cut).
+verifies, and T = alpha + beta * n is fitted online to the measured steps, n being what the backend
+computes: rows x the widest row where it pads (CUDA graphs' shapes, transformers), so that the plan
+is a step width and drafted tokens up to it ride along free; the tokens fed where it packs ragged
+rows (the native backend's eager path), so that every drafted token pays its own beta (step_plan.py
+has both plans). (Until 2026-11-26 it counted the tokens fed while the native backend still padded:
+a lone row's draft passed as if it cost its own tokens only, and on 2 CPU cores at 4 sessions
+speculation under load measured 2-20% below plain decoding; then padded everywhere until the
+backend packed, round 29.) Verifying a prefix of a draft is verifying a shorter draft, so the
+output is unchanged. The outcome's num_drafted says how many tokens were verified, so the
+coordinator's adaptive draft length sees the trimmed length and its cost, and shrinks k or stops
+drafting by itself (plain decoding while every drafted token is cut).
 
 The trimmer also tells each session that decodes plainly how many drafted tokens this step would
 have verified for it (draft_limits: its row as a verify of up to ADMISSION_PROBE_TOKENS at its own
@@ -44,6 +45,7 @@ from typing import Sequence
 
 from specdec.engine.batch import DecodeWork, Result, VerifyWork, Work, run_target_batch
 from specdec.engine.cycle_wall import CycleWallPricing
+from specdec.engine.step_plan import RowSpec, packed_plan, padded_width
 from specdec.engine.target import TargetEngine
 from specdec.types import DraftBlock, VerifyOutcome
 
@@ -98,7 +100,7 @@ class DraftTrimmer:
     engine: trim and observe run on the model thread)."""
 
     def __init__(self, prior: float = 0.8, prior_trials: float = 2.0, decay: float = 0.9,
-                 max_sessions: int = 4096, margin: float = 0.0, price_cycles: bool = True):
+                 max_sessions: int = 4096, margin: float = 0.0, price_cycles: bool = True, packed: bool = False):
         # An optimistic prior lets a new session show what its drafts are worth before load cuts
         # them. A session cut to nothing keeps its estimate until the load lets its drafts through.
         self.prior, self.prior_trials, self.decay = prior, prior_trials, decay
@@ -110,6 +112,9 @@ class DraftTrimmer:
         # 0.2 took that to 0.92-0.95x. Off by default: on tiny test models, whose step-cost fit is
         # noisy, it also cut drafts that paid (the target service's --trim-margin).
         self.margin = margin
+        # How the backend runs ragged rows (step_plan.py): packed, a step costs the tokens it feeds;
+        # else every row is padded to the widest (CUDA graphs, transformers).
+        self.packed = packed
         self.max_sessions = max_sessions
         # A draft from a draft service also costs its session a round trip per cycle, which no step
         # cost shows: cycle_wall.py prices the whole cycle and refuses sessions whose cycles lose.
@@ -150,9 +155,11 @@ class DraftTrimmer:
             # Nothing known but the refusals: the coordinators probe as they see fit.
             self.draft_limits = {works[i].session_id: 0 for i in refused if isinstance(works[i], DecodeWork)}
             return [0 if i in refused else _base_and_draft(w)[1] for i, w in enumerate(works)]
-        rows = [_RowSpec(*_base_and_draft(w), self.acceptance(w.session_id)) for w in works]
+        rows = [RowSpec(*_base_and_draft(w), self.acceptance(w.session_id)) for w in works]
         rows = [dataclasses.replace(r, draft=0) if i in refused else r for i, r in enumerate(rows)]
         alpha, beta = fit
+        if self.packed:
+            return self._plan_packed(works, rows, refused, alpha, beta, drafting_here)
         widest = max(max(r.base + r.draft for r in rows), 1 + ADMISSION_PROBE_TOKENS)
         totals = [0.0] * (widest + 1)  # the rows' expected tokens by step width
         for row in rows:
@@ -163,39 +170,32 @@ class DraftTrimmer:
         # (and for the plain rows' probes, once this target has drafted: its sessions draft here).
         step = self.draft_step_s or 0.0
         drafting = [max(0, width - 1) * step for width in range(widest + 1)]
-        width = self._width(len(rows), bases[0], totals, alpha, beta, drafting if drafting_here else None)
+        width = padded_width(len(rows), bases[0], totals, alpha, beta, self.margin,
+                             drafting if drafting_here else None)
         limits = {}
         for index, work in enumerate(works):
             if isinstance(work, DecodeWork):  # what this row would keep as a verify of the probe's size
-                row, probe = rows[index], _RowSpec(1, ADMISSION_PROBE_TOKENS, rows[index].acceptance)
+                row, probe = rows[index], RowSpec(1, ADMISSION_PROBE_TOKENS, rows[index].acceptance)
                 others_base = bases[1] if row.base == bases[0] else bases[0]
                 # A decode row gains 1 at any width: swap that for the probe's gains.
                 swapped = [total - 1.0 + gain for total, gain in zip(totals, probe.gains(widest))]
-                probe_width = self._width(len(rows), max(others_base, 1), swapped, alpha, beta, drafting)
+                probe_width = padded_width(len(rows), max(others_base, 1), swapped, alpha, beta, self.margin,
+                                           drafting)
                 limits[work.session_id] = 0 if index in refused else max(0, min(probe.draft, probe_width - probe.base))
         self.draft_limits = limits
         return [max(0, min(row.draft, width - row.base)) for row in rows]
 
-    def _width(self, num_rows: int, plain_width: int, gains: list[float], alpha: float, beta: float,
-               drafting: list[float] | None = None) -> int:
-        """The step's width (padded tokens per row) with the best goodput, given the rows' summed
-        expected tokens by width; plain_width (no drafted tokens) unless a wider step beats plain
-        decoding by the margin.
-
-        A batched step pads every row to the widest (the native backend and the CUDA graphs alike),
-        so it costs T(rows x width) whatever the rows hold: widening the step is what costs, and a
-        row's drafted tokens up to the width are free. drafting[width]: what drafting that wide costs
-        on the same thread first (the hosted draft model's passes), if anything."""
-        plain = num_rows / (alpha + beta * num_rows * plain_width)
-        best_width, best = plain_width, plain
-        for width in range(plain_width + 1, len(gains)):
-            extra = drafting[width] if drafting else 0.0
-            goodput = gains[width] / (alpha + beta * num_rows * width + extra)
-            if goodput > best:
-                best_width, best = width, goodput
-        if best < (1.0 + self.margin) * plain:
-            return plain_width  # not worth what the step cost does not show: decode plainly
-        return best_width
+    def _plan_packed(self, works: Sequence[Work], rows: list[RowSpec], refused: set[int], alpha: float,
+                     beta: float, drafting_here: bool) -> list[int]:
+        """plan() for a backend whose step costs the tokens it feeds (step_plan.py); a plain row's
+        limit is what its probe would keep at the planned step's price of a token."""
+        planned = packed_plan(rows, alpha, beta, self.margin, (self.draft_step_s or 0.0) if drafting_here else 0.0)
+        self.draft_limits = {
+            work.session_id: 0 if index in refused else planned.limit(rows[index].acceptance, ADMISSION_PROBE_TOKENS,
+                                                                      beta, self.margin)
+            for index, work in enumerate(works) if isinstance(work, DecodeWork)
+        }
+        return planned.kept
 
     def observe_draft(self, steps: int, seconds: float, decay: float = 0.9) -> None:
         """A draft pass of the hosted draft model: `steps` draft steps (over all its rows) in `seconds`."""
@@ -224,12 +224,12 @@ class DraftTrimmer:
 
     def observe(self, works: Sequence[Work], results: Sequence[Result], seconds: float,
                 started: float | None = None) -> None:
-        """After a step (`seconds` long, from perf_counter `started`): its cost (against its padded
-        size, rows x the widest row), the acceptance seen by each verified draft, and each session's
+        """After a step (`seconds` long, from perf_counter `started`): its cost (against the tokens
+        it fed if packed, else its padded size, rows x the widest row), the acceptance seen by each verified draft, and each session's
         cycle wall time (cycle_wall.py)."""
         widths = [base + draft for base, draft in map(_base_and_draft, works) if base + draft > 0]
         if widths:
-            self.cost.observe(len(widths) * max(widths), seconds)
+            self.cost.observe(sum(widths) if self.packed else len(widths) * max(widths), seconds)
         if self.cycle_wall is not None and started is not None:
             self.cycle_wall.observe(works, results, started, started + seconds, self.plain_step_s)
         for work, result in zip(works, results):
@@ -253,27 +253,6 @@ class DraftTrimmer:
                 self._sessions.popitem(last=False)
         self._sessions.move_to_end(session_id)
         return stats
-
-
-@dataclass(frozen=True)
-class _RowSpec:
-    """A row of a step as the trimmer plans it: its width without drafted tokens, the most it may
-    draft, and its session's acceptance rate."""
-
-    base: int
-    draft: int
-    acceptance: float
-
-    def gains(self, widest: int) -> list[float]:
-        """Expected tokens the row commits in a step of each width 0..widest: 1 + a + ... + a^d, with
-        d the drafted tokens that fit (Leviathan et al. 2023, sec. 3.1)."""
-        out, gain, term = [], 1.0, 1.0
-        for width in range(widest + 1):
-            if self.base < width <= self.base + self.draft:  # one more drafted token fits
-                term *= self.acceptance
-                gain += term
-            out.append(gain)
-        return out
 
 
 def _base_and_draft(work) -> tuple[int, int]:

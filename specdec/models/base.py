@@ -27,6 +27,9 @@ class ModelInfo:
 
 class CausalLM(Protocol):
     info: ModelInfo
+    # True: a batched forward computes only each row's own tokens, so its cost grows with the tokens
+    # fed; False: every row is padded to the widest (the goodput trimmer prices drafts by this).
+    packs_ragged_rows: bool
 
     @property
     def num_slots(self) -> int: ...

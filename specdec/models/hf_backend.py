@@ -57,6 +57,7 @@ class HFModel:
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._caches: list = [None] * num_slots  # None = free slot
         self._lengths = [0] * num_slots
+        self.packs_ragged_rows = True  # rows run one at a time: a step costs each row its own tokens
         self.info = ModelInfo(
             name=name or str(path), architecture=getattr(config, "model_type", "unknown"),
             vocab_size=int(config.vocab_size), max_context=max_context, dtype=dtype,

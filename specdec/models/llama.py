@@ -137,6 +137,8 @@ class LlamaModel:
             from specdec.models.cuda_graphs import GraphRunner
 
             self.graphs = GraphRunner(self, capture=self.device.type == "cuda", compile_layers=compile_layers)
+        # The eager path packs ragged rows (_plan); the graphs' static shapes pad every row to a bucket.
+        self.packs_ragged_rows = self.graphs is None
         self.info = ModelInfo(
             name=name or str(path), architecture=cfg.architecture, vocab_size=cfg.vocab_size,
             max_context=max_context, dtype=dtype, device=str(self.device), backend="native",
