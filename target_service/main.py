@@ -29,9 +29,6 @@ DESCRIPTION = (
 DEFAULT_PORT = 50052
 STEP_PRICINGS = ("auto", "packed", "padded")  # --step-pricing
 AUTO_ON_OFF = ("auto", "on", "off")  # --batch-prefills
-# --max-step-tokens: a burst of new sessions' prompts (batched prefills) spreads over steps of at
-# most this many tokens, so the first of them start decoding before the last are prefilled.
-DEFAULT_MAX_STEP_TOKENS = 512
 DEFAULT_METRICS_PORT = 9102
 
 
@@ -52,7 +49,7 @@ class TargetServiceSettings:
     ready_file: Path | None = None
     test_fault: str | None = None  # TEST ONLY: TargetEngine(fault_injection=...), docs/CANARY.md
     test_delay_ms: int = 0  # TEST ONLY: every forward sleeps this long (a large target's flat step cost)
-    batching: service.BatchSettings = service.BatchSettings(max_step_tokens=DEFAULT_MAX_STEP_TOKENS)
+    batching: service.BatchSettings = service.BatchSettings()
     trim_drafts: bool = True  # --draft-trimming goodput or step
     trim_cycles: bool = True  # --draft-trimming goodput: also price a drafted session's cycle wall time
     trim_margin: float = 0.0  # --trim-margin: the goodput gain drafts must bring (DraftTrimmer.margin)
@@ -92,7 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="TEST ONLY: make every forward this much slower, however many tokens it feeds (the "
                         "flat step cost of a large memory-bound target, on tiny test models)")
     service.add_model_arguments(g, num_slots_help="sessions whose KV caches fit at once")
-    service.add_batching_arguments(g, what="Verify and Decode steps", step_tokens=DEFAULT_MAX_STEP_TOKENS)
+    service.add_batching_arguments(g, what="Verify and Decode steps")
     g.add_argument("--draft-trimming", choices=["goodput", "step", "off"], default="goodput",
                    help="goodput: verify only the drafted tokens that raise the batch's expected tokens per "
                         "second (measured step cost and per-session acceptance), and, under load, none of a "

@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterable
 from specdec.engine.batch import DecodeWork, PrefillWork, VerifyWork, run_target_batch
 from specdec.engine.batcher import Batcher, StepTiming
 from specdec.engine.draft import DraftEngine
-from specdec.engine.goodput import DraftTrimmer, run_trimmed_batch, work_tokens
+from specdec.engine.goodput import DraftTrimmer, run_trimmed_batch
 from specdec.engine.inner_draft import Drafter, InnerDraftResult, LookupDrafter, ModelDrafter, run_inner_step
 from specdec.engine.target import TargetEngine
 from specdec.engine.target_stream import decode_step_stream, decode_steps
@@ -112,8 +112,7 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
             step = functools.partial(run_inner_step, engine, self.trimmer, inner_draft)
         self.batcher = Batcher(executor, step,
                                max_batch_size=batching.max_batch_size, batch_wait_s=batching.batch_wait_s,
-                               gather=batching.gather, on_step=self._observe_batch,
-                               max_step_tokens=batching.max_step_tokens, size=work_tokens)
+                               gather=batching.gather, on_step=self._observe_batch)
         self._streams: dict[str, _Stream] = {}  # session -> its DecodeStream in progress
         self.message_streams = MessageStreams()  # the open VerifyStreams, ended when the service stops
         self._evictions_seen = engine.evictions

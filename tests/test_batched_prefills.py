@@ -131,33 +131,3 @@ async def test_the_target_service_batches_prefills_where_its_backend_packs(tiny_
             await servicer.batcher.aclose()
             executor.shutdown()
     assert firsts[0] == firsts[1] and firsts[0][0] == 6
-
-
-async def test_a_burst_of_new_sessions_spreads_over_steps_of_the_token_budget(tiny_dir):
-    """Three prompts of 5 tokens arriving together: one step holding all three without a budget;
-    with --max-step-tokens 8, a step each, the first session's first token after one prompt's step."""
-    from prometheus_client import CollectorRegistry
-
-    from specdec.observability.metrics import TargetMetrics
-    from specdec.rpc import target_pb2
-    from specdec.server.bootstrap import ModelExecutor
-    from specdec.server.service import BatchSettings
-    from target_service.servicer import TargetServicer
-
-    for budget, steps in ((0, 1), (8, 3)):
-        engine = batching_helpers.target_engine(tiny_dir, 4)
-        executor = ModelExecutor("test-model")
-        registry = CollectorRegistry()
-        servicer = TargetServicer(engine, executor, TargetMetrics(registry), None, 8,
-                                  BatchSettings(max_step_tokens=budget), trim_drafts=True)
-        try:
-            requests = [target_pb2.TargetServiceStartSessionRequest(session_id=f"s{i}", token_ids=[3, 1, 4, 1, i],
-                                                                    sample_first_token=True) for i in range(3)]
-            responses = await asyncio.gather(*(servicer.StartSession(r, None) for r in requests))
-            await asyncio.sleep(0.01)
-            assert [r.position for r in responses] == [6, 6, 6]
-            assert registry.get_sample_value("specdec_target_batch_size_count", {"step": "prefill"}) == steps
-            assert registry.get_sample_value("specdec_target_batch_size_sum", {"step": "prefill"}) == 3
-        finally:
-            await servicer.batcher.aclose()
-            executor.shutdown()

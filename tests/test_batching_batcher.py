@@ -176,24 +176,6 @@ async def test_requests_arriving_during_a_step_join_the_next_one():
     await batcher.aclose()
 
 
-async def test_a_step_takes_work_up_to_its_token_budget_oldest_first():
-    """max_step_tokens: a burst of large items (prompts) spreads over steps; small ones behind a large
-    one that does not fit still join; the oldest item always runs, however large."""
-    thread = GatedThread()
-    batcher = Batcher(thread, echo, max_batch_size=8, max_step_tokens=10, size=len)
-    first = asyncio.create_task(batcher.submit("x"))
-    for _ in range(10):
-        await asyncio.sleep(0)
-    queued = ["aaaaaaaaaaaa", "bbbbbb", "cccccc", "d", "eeee", "f"]  # 12, 6, 6, 1, 4, 1 tokens
-    later = [asyncio.create_task(batcher.submit(w)) for w in queued]
-    await asyncio.sleep(0)
-    thread.gate.set()
-    assert await first == "X"
-    assert [await task for task in later] == [w.upper() for w in queued]
-    assert thread.steps == [["x"], ["aaaaaaaaaaaa"], ["bbbbbb", "d", "f"], ["cccccc", "eeee"]]
-    await batcher.aclose()
-
-
 async def test_a_failing_step_fails_its_items_and_the_worker_goes_on():
     calls = []
 

@@ -158,14 +158,6 @@ def test_the_target_takes_a_trimming_margin_within_bounds():
              for mode in ("goodput", "step", "off")}
     assert [(m.trim_drafts, m.trim_cycles) for m in modes.values()] == [(True, True), (True, False), (False, False)]
     assert settings_from_args(build_parser().parse_args(base)).trim_cycles
-    # --max-step-tokens: 512 tokens a step unless told (0: no limit); the draft service has no such flag.
-    assert settings_from_args(build_parser().parse_args(base)).batching.max_step_tokens == 512
-    assert settings_from_args(build_parser().parse_args([*base, "--max-step-tokens", "0"])).batching.max_step_tokens == 0
-    with pytest.raises(ConfigError, match="--max-step-tokens must be >= 0"):
-        settings_from_args(build_parser().parse_args([*base, "--max-step-tokens", "-1"]))
-    from draft_service.main import build_parser as draft_parser
-    with pytest.raises(SystemExit):
-        draft_parser().parse_args([*base, "--max-step-tokens", "64"])
     # --step-pricing: auto (as the backend runs a batch) unless told; anything else is refused.
     assert settings_from_args(build_parser().parse_args(base)).step_pricing == "auto"
     assert settings_from_args(build_parser().parse_args([*base, "--step-pricing", "padded"])).step_pricing == "padded"

@@ -60,8 +60,6 @@ class Batcher(Generic[W, R]):
         gather: float = 0.25,
         on_step: StepObserver | None = None,
         key: Callable[[W], object] = lambda work: getattr(work, "session_id", None),
-        max_step_tokens: int = 0,
-        size: Callable[[W], int] = lambda work: 1,
     ):
         if max_batch_size < 1 or not batch_wait_s >= 0 or not gather >= 0:
             raise ValueError(f"need max_batch_size >= 1, batch_wait_s >= 0 and gather >= 0, got "
@@ -73,9 +71,6 @@ class Batcher(Generic[W, R]):
         self.gather = gather  # see _gather
         self.on_step = on_step
         self.key = key  # the session a work item belongs to
-        # A step takes work up to max_step_tokens (0: no limit) of size(work) each, its oldest always:
-        # a burst of new sessions' prompts spreads over steps instead of making one that all wait for.
-        self.max_step_tokens, self.size = max_step_tokens, size
         self._queue: deque[tuple[W, asyncio.Future, int]] = deque()  # (work, future, enqueued at, ns)
         self._recent: set = set()  # sessions of the last step, still open
         self._served_at: dict = {}  # session -> perf_counter() when its last result was delivered
@@ -187,20 +182,12 @@ class Batcher(Generic[W, R]):
                 return
 
     def _take(self) -> list[tuple[W, asyncio.Future, int]]:
-        """Up to max_batch_size queued items within max_step_tokens, oldest first (the oldest even
-        past it); callers that gave up are skipped; what does not fit stays queued, in order."""
-        batch, held, tokens = [], [], 0
+        """Up to max_batch_size queued items, oldest first; callers that gave up are skipped."""
+        batch = []
         while self._queue and len(batch) < self.max_batch_size:
             item = self._queue.popleft()
-            if item[1].done():  # cancelled while queued: the work never starts
-                continue
-            size = self.size(item[0]) if self.max_step_tokens else 0
-            if batch and tokens + size > self.max_step_tokens > 0:
-                held.append(item)
-                continue
-            batch.append(item)
-            tokens += size
-        self._queue.extendleft(reversed(held))
+            if not item[1].done():  # cancelled while queued: the work never starts
+                batch.append(item)
         return batch
 
     def _timed_step(self, works: list) -> tuple[list, int, int]:

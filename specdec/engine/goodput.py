@@ -274,12 +274,6 @@ def _base_and_draft(work) -> tuple[int, int]:
     return 1, work.num_draft_tokens
 
 
-def work_tokens(work) -> int:
-    """The tokens a work item feeds a step (a verify's drafted ones included): its size against the
-    batcher's max_step_tokens."""
-    return sum(_base_and_draft(work))
-
-
 def prefix(draft: DraftBlock, length: int) -> DraftBlock:
     """The first `length` drafted tokens with their distributions: a shorter draft."""
     confidences = draft.confidences[:length]

@@ -77,7 +77,6 @@ class BatchSettings:
     max_batch_size: int = 16  # work items (sessions' rows) per batched step
     batch_wait_s: float = 0.0  # hold a non-full batch this long for more work (0: never wait)
     gather: float = 0.25  # wait for the sessions just served, at most this fraction of a step
-    max_step_tokens: int = 0  # tokens a step takes in all, at least one item's (0: no limit)
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -86,12 +85,9 @@ class BatchSettings:
             raise ConfigError(f"--batch-wait-ms must be in [0, 1000], got {self.batch_wait_s * 1000:g}")
         if not 0 <= self.gather <= 1:
             raise ConfigError(f"--batch-gather must be in [0, 1], got {self.gather}")
-        if self.max_step_tokens < 0:
-            raise ConfigError(f"--max-step-tokens must be >= 0 (0: no limit), got {self.max_step_tokens}")
 
 
-def add_batching_arguments(group: Any, *, what: str, step_tokens: int | None = None) -> None:
-    """The batching flags; step_tokens: also --max-step-tokens, with this default."""
+def add_batching_arguments(group: Any, *, what: str) -> None:
     group.add_argument("--max-batch-size", type=int, default=16,
                        help=f"most {what} of concurrent sessions run in one batched step (1: no batching)")
     group.add_argument("--batch-wait-ms", type=float, default=0.0,
@@ -101,16 +97,10 @@ def add_batching_arguments(group: Any, *, what: str, step_tokens: int | None = N
                        help="hold a step for the sessions of the last step (about to send their next work) "
                             "at most this fraction of a step's duration, so that concurrent sessions share "
                             "one step instead of alternating half-size ones (0: never hold)")
-    if step_tokens is not None:
-        group.add_argument("--max-step-tokens", type=int, default=step_tokens,
-                           help="most tokens one batched step feeds in all (new sessions' prompts mostly); work "
-                                "past it waits for the next step, and a step always takes its oldest work "
-                                "(default %(default)s; 0: no limit)")
 
 
 def batch_settings_from_args(args: argparse.Namespace) -> BatchSettings:
-    return BatchSettings(args.max_batch_size, args.batch_wait_ms / 1000, args.batch_gather,
-                         getattr(args, "max_step_tokens", 0))
+    return BatchSettings(args.max_batch_size, args.batch_wait_ms / 1000, args.batch_gather)
 
 
 def graph_warmup_context(value: int | None, compile_layers: bool) -> int:
