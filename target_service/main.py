@@ -28,7 +28,6 @@ DESCRIPTION = (
 )
 DEFAULT_PORT = 50052
 STEP_PRICINGS = ("auto", "packed", "padded")  # --step-pricing
-AUTO_ON_OFF = ("auto", "on", "off")  # --batch-prefills
 DEFAULT_METRICS_PORT = 9102
 
 
@@ -54,7 +53,6 @@ class TargetServiceSettings:
     trim_cycles: bool = True  # --draft-trimming goodput: also price a drafted session's cycle wall time
     trim_margin: float = 0.0  # --trim-margin: the goodput gain drafts must bring (DraftTrimmer.margin)
     step_pricing: str = "auto"  # --step-pricing: what a step's cost grows with (DraftTrimmer.packed)
-    batch_prefills: str = "auto"  # --batch-prefills: StartSession's prefill in the batched steps
     # A draft model hosted here for DecodeStream's model_draft_tokens (specdec.engine.inner_draft):
     # registry name or HF directory; None: none. Loaded like the target (backend, device, dtype, slots).
     inner_draft: str | None = None
@@ -69,8 +67,6 @@ class TargetServiceSettings:
             raise ConfigError(f"--trim-margin must be in [0, 10], got {self.trim_margin}")
         if self.step_pricing not in STEP_PRICINGS:
             raise ConfigError(f"--step-pricing must be one of {', '.join(STEP_PRICINGS)}, got {self.step_pricing!r}")
-        if self.batch_prefills not in AUTO_ON_OFF:
-            raise ConfigError(f"--batch-prefills must be one of {', '.join(AUTO_ON_OFF)}, got {self.batch_prefills!r}")
         if not 0.0 <= self.inner_draft_copy_below <= 1.0:  # also refuses NaN
             raise ConfigError(f"--inner-draft-copy-below must be in [0, 1] (0 = never copy), "
                               f"got {self.inner_draft_copy_below}")
@@ -114,10 +110,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="how goodput trimming prices a batched step: packed, by the tokens it feeds; padded, by "
                         "its rows times its widest row; auto (default): as the backend runs it (the native "
                         "backend packs ragged rows except in CUDA graphs)")
-    g.add_argument("--batch-prefills", choices=AUTO_ON_OFF, default="auto",
-                   help="run a new session's prefill inside the next batched step, beside the other sessions' "
-                        "rows, instead of as a forward of its own that they wait behind; auto (default): where "
-                        "the backend packs ragged rows (not with CUDA graphs, whose steps would turn eager)")
     add_server_arguments(parser, port=DEFAULT_PORT, metrics_port=DEFAULT_METRICS_PORT)
 
 
@@ -127,8 +119,7 @@ def settings_from_args(args: argparse.Namespace) -> TargetServiceSettings:
         max_draft_tokens=args.max_draft_tokens, test_fault=args.test_fault, test_delay_ms=args.test_delay_ms,
         batching=service.batch_settings_from_args(args), trim_drafts=args.draft_trimming != "off",
         trim_cycles=args.draft_trimming == "goodput",
-        trim_margin=args.trim_margin, step_pricing=args.step_pricing,
-        batch_prefills=args.batch_prefills, inner_draft=args.inner_draft, inner_draft_head_vocab=args.inner_draft_head_vocab,
+        trim_margin=args.trim_margin, step_pricing=args.step_pricing, inner_draft=args.inner_draft, inner_draft_head_vocab=args.inner_draft_head_vocab,
         inner_draft_copy_below=args.inner_draft_copy_below,
         **service.model_settings_from_args(args),
     )
@@ -144,8 +135,7 @@ async def serve_target(settings: TargetServiceSettings, engine, tokenizer, trace
     def build_servicer(executor, registry) -> TargetServicer:
         return TargetServicer(engine, executor, TargetMetrics(registry), tokenizer, settings.max_draft_tokens,
                               settings.batching, settings.trim_drafts, settings.trim_margin, inner_draft,
-                              trim_cycles=settings.trim_cycles, step_pricing=settings.step_pricing,
-                              batch_prefills=settings.batch_prefills)
+                              trim_cycles=settings.trim_cycles, step_pricing=settings.step_pricing)
 
     await service.serve_model_service(
         settings.server, build_servicer, target_pb2_grpc.add_TargetServiceServicer_to_server, TARGET_SERVICE_NAME,

@@ -10,10 +10,8 @@ handlers only add attributes to it. Verification itself lives in the engine and 
 Continuous batching: Verify and Decode work of concurrent sessions goes through a Batcher, which runs
 everything queued as one batched engine step (specdec.engine.batch: one forward over rows at
 different positions and lengths); a call that arrives during a step joins the next. A multi-token
-Decode is a sequence of one-token steps, each joining a batch. Where the backend packs ragged rows
-(batch_prefills), a StartSession's prefill joins a batch too: the prompt costs its own tokens in the
-step instead of a forward of its own that every other session waits behind. Otherwise StartSession,
-and always Truncate and EndSession, run on the same model thread directly.
+Decode is a sequence of one-token steps, each joining a batch. StartSession (prefill), Truncate and
+EndSession run on the same model thread directly.
 
 DecodeStream streams a multi-token Decode token by token, and submits each next step before it
 writes the token just made, so the model never waits for the caller's round trip. A caller that
@@ -35,7 +33,7 @@ import logging
 import time
 from typing import Any, Callable, Iterable
 
-from specdec.engine.batch import DecodeWork, PrefillWork, VerifyWork, run_target_batch
+from specdec.engine.batch import DecodeWork, VerifyWork, run_target_batch
 from specdec.engine.batcher import Batcher, StepTiming
 from specdec.engine.draft import DraftEngine
 from specdec.engine.goodput import DraftTrimmer, run_trimmed_batch
@@ -84,7 +82,6 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
         inner_draft: DraftEngine | None = None,
         trim_cycles: bool = True,
         step_pricing: str = "auto",
-        batch_prefills: str = "auto",
     ):
         self.engine = engine
         self.executor = executor
@@ -97,11 +94,7 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
         # With trim_drafts, each step verifies only the drafted tokens that raise the batch's
         # expected tokens per second (specdec.engine.goodput), so load never makes speculation
         # slower than plain decoding; without, every drafted token is verified.
-        packs = getattr(engine.model, "packs_ragged_rows", False)
-        packed = step_pricing == "packed" or (step_pricing == "auto" and packs)
-        # Prefills in the batched steps where a step costs the tokens it feeds; with CUDA graphs a
-        # step holding a prompt would leave its graph for the eager path.
-        self.batch_prefills = batch_prefills == "on" or (batch_prefills == "auto" and packs)
+        packed = step_pricing == "packed" or (step_pricing == "auto" and getattr(engine.model, "packs_ragged_rows", False))
         self.trimmer = DraftTrimmer(margin=trim_margin, price_cycles=trim_cycles, packed=packed) if trim_drafts else None
         step = functools.partial(run_trimmed_batch, engine, self.trimmer) if trim_drafts \
             else functools.partial(run_target_batch, engine)
@@ -128,16 +121,11 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
         params = sampling_params_from_proto(request.sampling)
         tokens = list(request.token_ids)
         annotate(**{SPECDEC_SESSION_ID: request.session_id, "specdec.num_prompt_tokens": len(tokens)})
-        if self.batch_prefills and request.sample_first_token:
-            started = await self.batcher.submit(PrefillWork(request.session_id, tuple(tokens), params,
-                                                            request.drafts_elsewhere, request.draft_source))
-            position, first, draft_limit = started.position, started.first_token_id, started.draft_limit
-        else:
-            position, first, draft_limit = await self._step(
-                "prefill", len(tokens), self._start_session,
-                request.session_id, tokens, params, request.sample_first_token, request.drafts_elsewhere,
-                request.draft_source,
-            )
+        position, first, draft_limit = await self._step(
+            "prefill", len(tokens), self._start_session,
+            request.session_id, tokens, params, request.sample_first_token, request.drafts_elsewhere,
+            request.draft_source,
+        )
         response = target_pb2.TargetServiceStartSessionResponse(position=position)
         if first is not None:
             response.first_token_id = first
@@ -351,19 +339,16 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
         self.metrics.tokens.labels(step).inc(num_tokens)
 
     def _observe_batch(self, works: list, results: list, seconds: float) -> None:
-        """After each batched step: its duration, rows and tokens, labelled prefill (it holds a prompt),
-        verify, decode or mixed;
+        """After each batched step: its duration, rows and tokens, labelled verify, decode or mixed;
         the rows of the latest step as the current load (the coordinator's adaptive draft length
         sees the same load as longer verify times)."""
         verify_tokens = sum(w.draft.num_tokens + 1 for w in works if isinstance(w, VerifyWork)) + sum(
             r.outcome.num_drafted + 1 for r in results if isinstance(r, InnerDraftResult))  # drafted in the step
         decode_tokens = sum(len(w.append_token_ids) + w.num_tokens for w in works if isinstance(w, DecodeWork))
-        prefill_tokens = sum(len(w.token_ids) for w in works if isinstance(w, PrefillWork))
-        step = "prefill" if prefill_tokens else "mixed" if verify_tokens and decode_tokens \
-            else "verify" if verify_tokens else "decode"  # a step holding a prompt is the prompt's
+        step = "mixed" if verify_tokens and decode_tokens else "verify" if verify_tokens else "decode"
         self.metrics.step_latency.labels(step).observe(seconds)
         self.metrics.batch_size.labels(step).observe(len(works))
-        self.metrics.tokens.labels(step).inc(verify_tokens + decode_tokens + prefill_tokens)
+        self.metrics.tokens.labels(step).inc(verify_tokens + decode_tokens)
         self.metrics.batch_rows.set(len(works))
         if self.trimmer is not None and self.trimmer.trimmed_tokens > self._trimmed_seen:
             self.metrics.trimmed_draft_tokens.inc(self.trimmer.trimmed_tokens - self._trimmed_seen)

@@ -1,7 +1,7 @@
-"""Continuous batching on the target: Verify, Decode and prefill work of many sessions in one forward.
+"""Continuous batching on the target: Verify and Decode work of many sessions in one forward pass.
 
-run_target_batch(engine, works) does what engine.verify / engine.decode / engine.start_session do
-one session at a time, for a whole batch: every row (a session's committed tokens its cache lacks, plus its drafted tokens
+run_target_batch(engine, works) does what engine.verify / engine.decode do one session at a time,
+for a whole batch: every row (a session's committed tokens its cache lacks, plus its drafted tokens
 for a verify) goes through ONE model.forward, every verify row through one verify_batch. Results
 are those of the sequential calls, token for token and outcome for outcome, because each row keeps
 its own position, parameters and counter-based random numbers (verify_batch == verify_block).
@@ -25,7 +25,6 @@ from specdec.engine.sessions import SessionState
 from specdec.engine.target import TargetEngine
 from specdec.errors import CacheFull, InvalidArgument
 from specdec.sampling.batched import verify_batch
-from specdec.sampling.params import SamplingParams
 from specdec.sampling.verify import check_block, sample_next
 from specdec.types import DraftBlock, VerifyOutcome
 
@@ -58,35 +57,8 @@ class DecodeWork:
     room: int | None = None
 
 
-@dataclass(frozen=True)
-class PrefillWork:
-    """engine.start_session(session_id, token_ids, params) as an item of a batch: the prompt goes
-    through the step's forward beside the other rows (packed, it costs its own tokens and no forward
-    of its own), and the first token is sampled as start_session samples it. A prefill that fails
-    leaves no session, as start_session does."""
-
-    session_id: str
-    token_ids: tuple[int, ...]
-    params: SamplingParams
-    # The session will draft on a draft service (from draft_source): the trimmer's admission
-    # verdict comes back in the result (goodput.run_trimmed_batch), as StartSession reports it.
-    drafts_elsewhere: bool = False
-    draft_source: str = ""
-
-
-@dataclass(frozen=True)
-class StartedSession:
-    """A PrefillWork's result: the session's position and first token, and draft_limit 0 where the
-    target refuses its drafts from the start (None: nothing to say)."""
-
-    position: int
-    first_token_id: int
-    draft_limit: int | None = None
-
-
-Work = Union[VerifyWork, DecodeWork, PrefillWork]
-# VerifyOutcome | sampled token ids | a started session | the item's error
-Result = Union[VerifyOutcome, list, StartedSession, Exception]
+Work = Union[VerifyWork, DecodeWork]
+Result = Union[VerifyOutcome, list, Exception]  # VerifyOutcome | sampled token ids | the item's error
 
 
 @dataclass
@@ -114,7 +86,6 @@ def split_by_session(session_ids: Sequence[str]) -> list[list[int]]:
 def run_target_batch(engine: TargetEngine, works: Sequence[Work]) -> list[Result]:
     """Run every work item; item i's result (or exception) is at index i."""
     results: list[Result | None] = [None] * len(works)
-    opened = []  # the indices of prefills whose sessions this batch created
     for group in split_by_session([w.session_id for w in works]):
         rows: list[_Row] = []
         for index in group:
@@ -123,25 +94,18 @@ def run_target_batch(engine: TargetEngine, works: Sequence[Work]) -> list[Result
             except Exception as exc:  # noqa: BLE001 - the item's own error, returned to its caller
                 results[index] = exc
                 continue
-            if row is None:
+            if row is not None:
+                rows.append(row)
+            else:
                 results[index] = []  # a decode of 0 tokens: the appended tokens are committed
-                continue
-            rows.append(row)
-            if isinstance(row.work, PrefillWork):
-                opened.append(index)
         while rows:
             rows = _run_round(engine, rows, results)
-    for index in opened:
-        if isinstance(results[index], Exception):  # no slot, or the forward failed: no session
-            engine.end_session(works[index].session_id)
     return results  # type: ignore[return-value]
 
 
 def _validate(engine: TargetEngine, index: int, work: Work) -> _Row | None:
     """The checks engine.verify / engine.decode make before touching anything; None when the item
     needs no forward (a decode that only appends)."""
-    if isinstance(work, PrefillWork):
-        return _Row(index, work, engine.open_session(work.session_id, work.token_ids, work.params))
     state = engine._at(work.session_id, work.position)
     if isinstance(work, VerifyWork):
         k = work.draft.num_tokens
@@ -245,5 +209,4 @@ def _sample(rows: list[_Row], results: list) -> None:
             results[row.index] = exc
             continue
         row.state.tokens.append(token)
-        results[row.index] = StartedSession(row.state.position, token) if isinstance(row.work, PrefillWork) \
-            else [token]
+        results[row.index] = [token]

@@ -43,7 +43,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
-from specdec.engine.batch import DecodeWork, PrefillWork, Result, StartedSession, VerifyWork, Work, run_target_batch
+from specdec.engine.batch import DecodeWork, Result, VerifyWork, Work, run_target_batch
 from specdec.engine.cycle_wall import CycleWallPricing
 from specdec.engine.step_plan import RowSpec, packed_plan, padded_width
 from specdec.engine.target import TargetEngine
@@ -225,17 +225,11 @@ class DraftTrimmer:
     def observe(self, works: Sequence[Work], results: Sequence[Result], seconds: float,
                 started: float | None = None) -> None:
         """After a step (`seconds` long, from perf_counter `started`): its cost (against the tokens
-        it fed if packed, else its padded size, rows x the widest row), the acceptance seen by each
-        verified draft, and each session's cycle wall time (cycle_wall.py)."""
-        if any(isinstance(work, PrefillWork) for work in works):
-            # A prompt's tokens cost less each than a decode row's (one matrix product over many
-            # rows) and would bend the fit the drafts are priced by; nor is a prefill a cycle.
-            kept = [(w, r) for w, r in zip(works, results) if not isinstance(w, PrefillWork)]
-            works, results = [w for w, _ in kept], [r for _, r in kept]
-        else:
-            widths = [base + draft for base, draft in map(_base_and_draft, works) if base + draft > 0]
-            if widths:
-                self.cost.observe(sum(widths) if self.packed else len(widths) * max(widths), seconds)
+        it fed if packed, else its padded size, rows x the widest row), the acceptance seen by each verified draft, and each session's
+        cycle wall time (cycle_wall.py)."""
+        widths = [base + draft for base, draft in map(_base_and_draft, works) if base + draft > 0]
+        if widths:
+            self.cost.observe(sum(widths) if self.packed else len(widths) * max(widths), seconds)
         if self.cycle_wall is not None and started is not None:
             self.cycle_wall.observe(works, results, started, started + seconds, self.plain_step_s)
         for work, result in zip(works, results):
@@ -269,8 +263,6 @@ def _base_and_draft(work) -> tuple[int, int]:
         return 1, work.draft.num_tokens
     if isinstance(work, DecodeWork):
         return len(work.append_token_ids) + work.num_tokens, 0
-    if isinstance(work, PrefillWork):
-        return len(work.token_ids), 0
     return 1, work.num_draft_tokens
 
 
@@ -289,8 +281,4 @@ def run_trimmed_batch(engine: TargetEngine, trimmer: DraftTrimmer, works: Sequen
     started = time.perf_counter()
     results = run_target_batch(engine, works)
     trimmer.observe(works, results, time.perf_counter() - started, started)
-    for index, work in enumerate(works):  # new sessions that will draft elsewhere: refused from the start?
-        if isinstance(work, PrefillWork) and work.drafts_elsewhere and isinstance(results[index], StartedSession):
-            limit = trimmer.admit_drafting_elsewhere(work.session_id, time.perf_counter(), work.draft_source)
-            results[index] = dataclasses.replace(results[index], draft_limit=limit)
     return results

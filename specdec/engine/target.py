@@ -71,13 +71,6 @@ class TargetEngine:
             self._drop(session_id)
             raise
 
-    def open_session(self, session_id: str, token_ids: Sequence[int], params: SamplingParams) -> SessionState:
-        """start_session's checks and the session's record, without the prefill: a batched step feeds
-        the prompt beside its other rows and samples the first token (batch.PrefillWork)."""
-        params.validate()
-        tokens = self._check_tokens(token_ids, room=1)
-        return self.sessions.add(SessionState(session_id, params, tokens))
-
     def verify(self, session_id: str, position: int, draft: DraftBlock) -> VerifyOutcome:
         state = self._at(session_id, position)
         k = draft.num_tokens
