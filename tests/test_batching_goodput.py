@@ -180,18 +180,20 @@ def tiny_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("goodput") / "target", vocab_size=256, seed=0)
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("refusing", [False, True])
-def test_trimmed_verification_is_lossless(tiny_dir, refusing):
+def test_trimmed_verification_is_lossless(tiny_dir, refusing, packed):
     """Greedy sessions whose drafts are trimmed commit exactly what plain decoding commits; so do
-    sessions drafting elsewhere that the cycle pricing refuses (every draft of theirs cut)."""
+    sessions drafting elsewhere that the cycle pricing refuses (every draft of theirs cut). Packed,
+    the plan cuts each row to a length of its own (step_plan.py)."""
     model = load_model(tiny_dir, backend="native", num_slots=8, max_context=128)
     engine, plain = TargetEngine(model), TargetEngine(load_model(tiny_dir, backend="native", num_slots=8,
                                                                   max_context=128))
-    trimmer = trimmer_with_cost(beta=0.02)
+    trimmer = trimmer_with_cost(beta=0.02, packed=packed)
     if refusing:  # as after a refusal: new sessions drafting elsewhere start refused for 64 steps
         trimmer.cycle_wall._verdicts[""] = (0, 64)
     prompts = {f"s{i}": [i + 1, 2 * i + 3, 7] for i in range(6)}
-    expected = {}
+    expected, kept_lengths = {}, set()
     for session_id, prompt in prompts.items():
         engine.start_session(session_id, prompt, SamplingParams())
         plain.start_session(session_id, prompt, SamplingParams())
@@ -207,7 +209,9 @@ def test_trimmed_verification_is_lossless(tiny_dir, refusing):
         results = run_trimmed_batch(engine, trimmer, works)
         assert all(isinstance(r, VerifyOutcome) for r in results)
         assert not refusing or all(r.num_drafted == 0 for r in results)
+        kept_lengths.update(r.num_drafted for r in results)
     assert trimmer.trimmed_tokens > 0
+    assert refusing or not packed or len(kept_lengths) > 2  # packed: rows cut to lengths of their own
     for session_id in prompts:
         committed = engine.committed_tokens(session_id)
         assert committed == expected[session_id][: len(committed)]

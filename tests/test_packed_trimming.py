@@ -1,23 +1,20 @@
 """Draft trimming for a backend that packs ragged rows (specdec.engine.step_plan): a step costs the
 tokens it feeds, so each drafted token is priced on its own; the plan is the best by brute force;
-plain rows are told what their probe would keep; the native backend says which way it runs a batch;
-trimmed verification stays lossless."""
+plain rows are told what their probe would keep; the native backend says which way it runs a batch
+(lossless trimmed verification, packed or padded: test_batching_goodput.py)."""
 
 from __future__ import annotations
 
 import itertools
 
 import pytest
-import torch
 
-from specdec.engine.batch import DecodeWork, VerifyWork
-from specdec.engine.goodput import DraftTrimmer, run_trimmed_batch
+from specdec.engine.batch import DecodeWork
+from specdec.engine.goodput import DraftTrimmer
 from specdec.engine.step_plan import RowSpec, packed_plan
-from specdec.engine.target import TargetEngine
 from specdec.models.llama import LlamaModel
 from specdec.models.loader import load_model
-from specdec.sampling.params import SamplingParams
-from specdec.types import DraftBlock, VerifyOutcome
+from specdec.types import VerifyOutcome
 from tests.test_batching_goodput import ALPHA, BETA, teach, trimmer_with_cost, verify
 
 
@@ -95,32 +92,3 @@ def tiny_dir(tmp_path_factory):
     from specdec.testing.tiny_models import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("packed") / "target", vocab_size=256, seed=0)
-
-
-def test_packed_trimmed_verification_is_lossless(tiny_dir):
-    """Greedy sessions whose drafts a packed plan trims, row by row to different lengths, commit
-    exactly what plain decoding commits."""
-    torch.set_num_threads(1)
-    engine = TargetEngine(load_model(tiny_dir, backend="native", num_slots=8, max_context=128))
-    plain = TargetEngine(load_model(tiny_dir, backend="native", num_slots=8, max_context=128))
-    trimmer = trimmer_with_cost(beta=0.02, packed=engine.model.packs_ragged_rows)
-    assert trimmer.packed
-    prompts = {f"s{i}": [i + 1, 2 * i + 3, 7] for i in range(6)}
-    expected, kept_lengths = {}, set()
-    for session_id, prompt in prompts.items():
-        engine.start_session(session_id, prompt, SamplingParams())
-        plain.start_session(session_id, prompt, SamplingParams())
-        expected[session_id] = plain.committed_tokens(session_id) + plain.decode(session_id, 4, 70)
-        teach(trimmer, session_id, int(session_id[1]) % 5, 4)  # acceptance 0 .. 0.8: some trimmed
-    for _ in range(12):
-        works = []
-        for session_id in prompts:
-            position = len(engine.committed_tokens(session_id))
-            draft = torch.tensor(expected[session_id][position: position + 4], dtype=torch.long)
-            works.append(VerifyWork(session_id, position, DraftBlock(draft)))
-        results = run_trimmed_batch(engine, trimmer, works)
-        kept_lengths.update(r.num_drafted for r in results)
-    assert trimmer.trimmed_tokens > 0 and len(kept_lengths) > 1  # rows trimmed to different lengths
-    for session_id in prompts:
-        committed = engine.committed_tokens(session_id)
-        assert committed == expected[session_id][: len(committed)]
