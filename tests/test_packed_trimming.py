@@ -78,6 +78,9 @@ def test_each_packed_plain_row_is_told_what_its_probe_would_keep():
     assert drafting.limit(0.9, 8, 0.0, margin=0.0) == 8  # tokens cost nothing: the whole probe
     assert drafting.limit(0.01, 8, 0.0005, margin=0.0) == 0  # a token costs 0.018 of one
     assert drafting.limit(0.5, 8, 0.0005, margin=0.0) == 5  # 0.5^5 = 0.031 > 0.018 > 0.5^6 = 0.016
+    # A target hosting the draft pays a draft pass per token past the plan's longest draft (2 here).
+    assert drafting.limit(0.5, 8, 0.0005, margin=0.0, draft_step_s=0.004) == 2
+    assert drafting.limit(0.9, 8, 0.0005, margin=0.0, draft_step_s=0.004) > 2  # worth its passes
 
 
 def test_the_native_backend_says_how_it_runs_ragged_rows(tiny_dir):

@@ -188,11 +188,13 @@ class DraftTrimmer:
     def _plan_packed(self, works: Sequence[Work], rows: list[RowSpec], refused: set[int], alpha: float,
                      beta: float, drafting_here: bool) -> list[int]:
         """plan() for a backend whose step costs the tokens it feeds (step_plan.py); a plain row's
-        limit is what its probe would keep at the planned step's price of a token."""
-        planned = packed_plan(rows, alpha, beta, self.margin, (self.draft_step_s or 0.0) if drafting_here else 0.0)
+        limit is what its probe would keep in the planned step (the hosted draft's passes priced, as
+        in plan(), once this target has drafted)."""
+        step = self.draft_step_s or 0.0
+        planned = packed_plan(rows, alpha, beta, self.margin, step if drafting_here else 0.0)
         self.draft_limits = {
             work.session_id: 0 if index in refused else planned.limit(rows[index].acceptance, ADMISSION_PROBE_TOKENS,
-                                                                      beta, self.margin)
+                                                                      beta, self.margin, step)
             for index, work in enumerate(works) if isinstance(work, DecodeWork)
         }
         return planned.kept

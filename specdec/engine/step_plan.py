@@ -18,7 +18,6 @@ Either plan verifies a prefix of each draft, a shorter draft: the output is unch
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -77,22 +76,22 @@ class PackedPlan:
     def goodput(self) -> float:
         return self.gain / self.cost
 
-    def limit(self, acceptance: float, most: int, beta: float, margin: float) -> int:
-        """Drafted tokens a plain row of this acceptance would keep as a verify of `most`: those whose
-        gain a^j beats beta * goodput, the price of one more token in this step; where the plan kept
-        none, only if they alone raise plain decoding's goodput by the margin."""
-        price = beta * self.goodput
-        if acceptance <= price:
+    def limit(self, acceptance: float, most: int, beta: float, margin: float, draft_step_s: float = 0.0) -> int:
+        """Drafted tokens a plain row of this acceptance would keep as a verify of up to `most`: the
+        count that makes this step's goodput highest with them in it (each costs beta, and a pass of
+        the hosted draft, draft_step_s, past the plan's longest draft); where the plan kept none,
+        only if they raise plain decoding's goodput by the margin."""
+        longest = max(self.kept, default=0)
+        best_count, best, gain, term = 0, self.goodput, self.gain, 1.0
+        for count in range(1, most + 1):
+            term *= acceptance
+            gain += term
+            goodput = gain / (self.cost + count * beta + max(0, count - longest) * draft_step_s)
+            if goodput > best:
+                best_count, best = count, goodput
+        if best_count and not longest and best < (1.0 + margin) * self.plain_gain / self.plain_cost:
             return 0
-        if price <= 0 or acceptance >= 1.0:
-            count = most
-        else:
-            count = max(0, min(most, math.ceil(math.log(price) / math.log(acceptance)) - 1))
-        if count and not any(self.kept):
-            gain = self.plain_gain + sum(acceptance ** j for j in range(1, count + 1))
-            if gain / (self.plain_cost + count * beta) < (1.0 + margin) * self.plain_gain / self.plain_cost:
-                return 0
-        return count
+        return best_count
 
 
 def packed_plan(rows: Sequence[RowSpec], alpha: float, beta: float, margin: float,
