@@ -13,15 +13,15 @@ SmartSpec, Liu et al. 2024):
 
 E_i is Leviathan et al. (2023, sec. 3.1) with a_i the acceptance rate measured on session i's own
 verifies, and T = alpha + beta * n is fitted online to the measured steps, n being what the backend
-computes: rows x the widest row where it pads (CUDA graphs' shapes, transformers), so that the plan
-is a step width and drafted tokens up to it ride along free; the tokens fed where it packs ragged
-rows (the native backend's eager path), so that every drafted token pays its own beta (step_plan.py
-has both plans). (Until 2026-11-26 it counted the tokens fed while the native backend still padded:
-a lone row's draft passed as if it cost its own tokens only, and on 2 CPU cores at 4 sessions
-speculation under load measured 2-20% below plain decoding; then padded everywhere until the
-backend packed, round 29.) Verifying a prefix of a draft is verifying a shorter draft, so the
-output is unchanged. The outcome's num_drafted says how many tokens were verified, so the
-coordinator's adaptive draft length sees the trimmed length and its cost, and shrinks k or stops
+computes: rows x the widest row where it pads (CUDA graphs' shapes), so that the plan is a step
+width and drafted tokens up to it ride along free; the tokens fed where it packs ragged rows (the
+native backend's eager path; transformers runs rows one at a time), so that every drafted token pays
+its own beta (step_plan.py has both plans). (Until 2026-11-26 it counted the tokens fed while the
+native backend still padded: a lone row's draft passed as if it cost its own tokens only, and on 2
+CPU cores at 4 sessions speculation under load measured 2-20% below plain decoding; then padded
+everywhere until the backend packed, round 29.) Verifying a prefix of a draft is verifying a shorter
+draft, so the output is unchanged. The outcome's num_drafted says how many tokens were verified, so
+the coordinator's adaptive draft length sees the trimmed length and its cost, and shrinks k or stops
 drafting by itself (plain decoding while every drafted token is cut).
 
 The trimmer also tells each session that decodes plainly how many drafted tokens this step would
@@ -113,7 +113,7 @@ class DraftTrimmer:
         # noisy, it also cut drafts that paid (the target service's --trim-margin).
         self.margin = margin
         # How the backend runs ragged rows (step_plan.py): packed, a step costs the tokens it feeds;
-        # else every row is padded to the widest (CUDA graphs, transformers).
+        # else every row is padded to the widest (CUDA graphs' shapes).
         self.packed = packed
         self.max_sessions = max_sessions
         # A draft from a draft service also costs its session a round trip per cycle, which no step
@@ -227,8 +227,8 @@ class DraftTrimmer:
     def observe(self, works: Sequence[Work], results: Sequence[Result], seconds: float,
                 started: float | None = None) -> None:
         """After a step (`seconds` long, from perf_counter `started`): its cost (against the tokens
-        it fed if packed, else its padded size, rows x the widest row), the acceptance seen by each verified draft, and each session's
-        cycle wall time (cycle_wall.py)."""
+        it fed if packed, else its padded size, rows x the widest row), the acceptance seen by each
+        verified draft, and each session's cycle wall time (cycle_wall.py)."""
         widths = [base + draft for base, draft in map(_base_and_draft, works) if base + draft > 0]
         if widths:
             self.cost.observe(sum(widths) if self.packed else len(widths) * max(widths), seconds)

@@ -4,14 +4,15 @@ A step commits sum_i E_i(d_i) tokens in expectation, E_i(d) = 1 + a_i + ... + a_
 al. 2023, sec. 3.1), and costs T = alpha + beta * n seconds (goodput.StepCost's fit). What n is
 depends on how the backend runs a batch of ragged rows:
 
-- padded (the CUDA graphs' static shapes, transformers' padded batches): every row is as wide as the
-  widest, n = rows x width. Widening the step is what costs; a row's drafted tokens up to the width
-  ride along for free. The plan is a width (padded_width).
-- packed (the native backend's eager path: projections and MLP on each row's own tokens only), n is
-  the tokens fed, so each drafted token costs beta whichever row it is in. The plan keeps, over all
-  rows, the drafted tokens whose expected gain beats what beta buys at the step's goodput
-  (packed_plan). Priced as padded there, one row's draft of 4 among 15 plain rows counted 80 tokens
-  against the 20 it costs, and drafts that paid were cut (docs/BENCHMARKS.md, round 29).
+- padded (the CUDA graphs' static shapes): every row is as wide as the widest, n = rows x width.
+  Widening the step is what costs; a row's drafted tokens up to the width ride along for free. The
+  plan is a width (padded_width).
+- packed (the native backend's eager path: projections and MLP on each row's own tokens only;
+  transformers, which runs rows one at a time): n is the tokens fed, so each drafted token costs
+  beta whichever row it is in. The plan keeps, over all rows, the drafted tokens whose expected gain
+  beats what beta buys at the step's goodput (packed_plan). Priced as padded there, one row's draft
+  of 4 among 15 plain rows counted 80 tokens against the 20 it costs, and drafts that paid were cut
+  (docs/BENCHMARKS.md, round 29).
 
 Either plan verifies a prefix of each draft, a shorter draft: the output is unchanged.
 """
