@@ -27,8 +27,8 @@ DESCRIPTION = (
     "blocks, plain decoding. Health, reflection and Prometheus /metrics included."
 )
 DEFAULT_PORT = 50052
-STEP_PRICINGS = ("auto", "packed", "padded")  # --step-pricing
 DEFAULT_METRICS_PORT = 9102
+STEP_PRICINGS = ("auto", "packed", "padded")  # --step-pricing
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,8 @@ def settings_from_args(args: argparse.Namespace) -> TargetServiceSettings:
         max_draft_tokens=args.max_draft_tokens, test_fault=args.test_fault, test_delay_ms=args.test_delay_ms,
         batching=service.batch_settings_from_args(args), trim_drafts=args.draft_trimming != "off",
         trim_cycles=args.draft_trimming == "goodput",
-        trim_margin=args.trim_margin, step_pricing=args.step_pricing, inner_draft=args.inner_draft, inner_draft_head_vocab=args.inner_draft_head_vocab,
+        trim_margin=args.trim_margin, step_pricing=args.step_pricing, inner_draft=args.inner_draft,
+        inner_draft_head_vocab=args.inner_draft_head_vocab,
         inner_draft_copy_below=args.inner_draft_copy_below,
         **service.model_settings_from_args(args),
     )

@@ -94,7 +94,7 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
         # With trim_drafts, each step verifies only the drafted tokens that raise the batch's
         # expected tokens per second (specdec.engine.goodput), so load never makes speculation
         # slower than plain decoding; without, every drafted token is verified.
-        packed = step_pricing == "packed" or (step_pricing == "auto" and getattr(engine.model, "packs_ragged_rows", False))
+        packed = step_pricing == "packed" or (step_pricing == "auto" and engine.model.packs_ragged_rows)
         self.trimmer = DraftTrimmer(margin=trim_margin, price_cycles=trim_cycles, packed=packed) if trim_drafts else None
         step = functools.partial(run_trimmed_batch, engine, self.trimmer) if trim_drafts \
             else functools.partial(run_target_batch, engine)
