@@ -20,16 +20,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from specdec.errors import InvalidArgument
+from specdec.models import cpu_attention
 from specdec.models.base import ModelInfo
 from specdec.models.kv_cache import SlotKVCache
 from specdec.models.linear_kernels import choose_linear
@@ -65,6 +68,9 @@ class _Batch:
     # tokens [N]. Every per-token tensor above then holds the N real tokens only, and attention alone
     # sees the padded [B, T] layout (see _attention). None: every row is T tokens long.
     packed_index: torch.Tensor | None = None
+    # CPU decode and verify steps (cpu_attention.py): each query token's slot and key count, host-side.
+    query_slots: np.ndarray | None = None
+    query_key_lens: np.ndarray | None = None
 
 
 class LlamaModel:
@@ -128,6 +134,11 @@ class LlamaModel:
         # On a CPU, rows whose slots are not one range attend slot by slot in place (_attention_in_place)
         # instead of gathering the batch's keys and values into one tensor every layer.
         self.attend_in_place = self.device.type == "cpu"
+        # On a CPU, float32 decode and verify tokens attend through a compiled loop (cpu_attention.py);
+        # SPECDEC_CPU_ATTENTION=sdpa keeps SDPA (an A/B switch for benchmarks).
+        self.compiled_attention = (self.device.type == "cpu" and self.dtype == torch.float32
+                                   and os.environ.get("SPECDEC_CPU_ATTENTION", "auto") != "sdpa"
+                                   and cpu_attention.available())
         # Half precision on CUDA: RMSNorm as one fused kernel (normalise in float32 inside it, scale, round
         # once) instead of four (cast, normalise, cast back, scale): a decode step is mostly small
         # kernels at a few microseconds each. It rounds once where transformers rounds twice.
@@ -284,7 +295,9 @@ class LlamaModel:
         keys.view(-1, head_dim).index_copy_(0, b.write_index, qk[:, heads:].reshape(-1, head_dim))
         values.view(-1, head_dim).index_copy_(0, b.write_index, qkv[:, heads + kv_heads :].reshape(-1, head_dim))
         q = qk[:, :heads]  # [tokens, H, D]
-        if self.attend_in_place and b.slots and (b.slot_index is not None or b.packed_index is not None):
+        if b.query_key_lens is not None:
+            out = cpu_attention.attend(q, keys, values, b.query_slots, b.query_key_lens)  # [tokens, H * D]
+        elif self.attend_in_place and b.slots and (b.slot_index is not None or b.packed_index is not None):
             out = _attention_in_place(q, keys, values, b)  # [tokens, H * D]
         else:
             if b.packed_index is not None:  # the real tokens into the padded layout
@@ -354,6 +367,9 @@ class LlamaModel:
             packed = real.nonzero().squeeze(1)
             tokens, positions, write_index = tokens[packed], positions[packed], write_index[packed]
             logit_index = (real.cumsum(0) - 1)[logit_index]  # a real token's flat index -> its packed one
+        query_slots = query_key_lens = None
+        if self.compiled_attention and T <= cpu_attention.MAX_QUERY_TOKENS:
+            query_slots, query_key_lens = cpu_attention.query_layout(slots, starts, lengths)
         positions = positions.to(dev)
         return _Batch(
             num_rows=B, width=T, key_len=key_len, tokens=tokens.to(dev),
@@ -363,6 +379,7 @@ class LlamaModel:
             is_causal=fresh_prefill and T > 1, logit_rows=logit_index.to(dev),
             slots=tuple(slots), row_key_lens=tuple(s + n for s, n in zip(starts, lengths)), row_tokens=tuple(lengths),
             packed_index=None if packed is None else packed.to(dev),
+            query_slots=query_slots, query_key_lens=query_key_lens,
         )
 
 

@@ -1,0 +1,113 @@
+"""Attention of decode and verify tokens on a CPU: one compiled loop per query token (numba).
+
+A batched CPU step of the default target (16 sessions, one decode token each, 200-400 keys) spent
+about 40 of its 114 ms in attention: PyTorch's SDPA kernel is built for long query blocks, and for a
+one-token query it reads the keys and values at about a third of the machine's memory bandwidth
+(the cache of 16 sessions is ~220 MB a step, far past the caches). Batched matrix products do no
+better for these shapes (MKL's small-matrix paths). This loop reads each key and value row once per
+KV head for all the query heads that share it (grouped-query attention), with the dot products
+vectorised: 20 ms for the same step's 30 layers (docs/BENCHMARKS.md, round 30).
+
+Each query token is attended on its own, over its slot's keys up to its own position (key_lens), so a
+verify row's causal mask is just each token's length, rows may come from any slots in any order,
+and a token's result does not depend on what else is in the batch. The arithmetic is float32 with
+the dot products and sums reassociated for vectorisation (fastmath without the approximate-function
+and finite-math flags): it differs from SDPA's in the last bits only (tests/test_cpu_attention.py).
+
+numba compiles the loop when a model first asks for it (about a second; loaded from a disk cache,
+NUMBA_CACHE_DIR or ~/.cache/specdec/numba, in about 0.3 s after that). Without numba installed,
+available() is False and the model keeps SDPA.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+# Rows longer than this (prefills) keep SDPA: a per-token loop re-reads the keys for every query,
+# where SDPA's blocked kernel reuses them across a long block.
+MAX_QUERY_TOKENS = 16
+# Vectorised sums need reassociation; no approximate exp, no assumption that values are finite.
+FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
+
+
+@functools.cache
+def _kernel():
+    try:
+        os.environ.setdefault("NUMBA_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "specdec", "numba"))
+        import numba
+    except ImportError:
+        return None
+
+    @numba.njit(nogil=True, cache=True, fastmath=FASTMATH, boundscheck=False)
+    def attend(q, keys, values, slots, key_lens, scale, out, scores):  # pragma: no cover - compiled
+        # q [N, H, D]; keys/values [slots, KV, ctx + 1, D]; out [N, H, D]; scores [G, ctx + 1] scratch
+        tokens, heads, dim = q.shape
+        kv_heads = keys.shape[1]
+        groups = heads // kv_heads
+        for t in range(tokens):
+            slot, length = slots[t], key_lens[t]
+            for kv in range(kv_heads):
+                first = kv * groups  # query heads first .. first + groups - 1 read this KV head
+                for pos in range(length):
+                    for g in range(groups):
+                        acc = np.float32(0.0)
+                        for d in range(dim):
+                            acc += q[t, first + g, d] * keys[slot, kv, pos, d]
+                        scores[g, pos] = acc * scale
+                for g in range(groups):
+                    top = scores[g, 0]
+                    for pos in range(1, length):
+                        top = max(top, scores[g, pos])
+                    total = np.float32(0.0)
+                    for pos in range(length):
+                        weight = np.exp(scores[g, pos] - top)
+                        scores[g, pos] = weight
+                        total += weight
+                    for pos in range(length):
+                        scores[g, pos] /= total
+                    for d in range(dim):
+                        out[t, first + g, d] = 0.0
+                for pos in range(length):
+                    for g in range(groups):
+                        weight = scores[g, pos]
+                        for d in range(dim):
+                            out[t, first + g, d] += weight * values[slot, kv, pos, d]
+
+    # Compile (or load from the disk cache) now, at model load, not in a session's first step.
+    cache = np.zeros((1, 1, 2, 4), dtype=np.float32)
+    attend(np.zeros((1, 1, 4), dtype=np.float32), cache, cache, np.zeros(1, dtype=np.int64),
+           np.ones(1, dtype=np.int64), np.float32(0.5), np.zeros((1, 1, 4), dtype=np.float32),
+           np.zeros((1, 2), dtype=np.float32))
+    return attend
+
+
+def available() -> bool:
+    """True where numba is installed (the compiled loop can run)."""
+    return _kernel() is not None
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: np.ndarray,
+           key_lens: np.ndarray) -> torch.Tensor:
+    """q [tokens, H, D] float32; keys/values [slots, KV, ctx + 1, D] (a layer of the cache); token i
+    attends to the first key_lens[i] keys of slot slots[i]. Returns [tokens, H * D]."""
+    tokens, heads, dim = q.shape
+    q = q.contiguous()
+    out = torch.empty(tokens, heads, dim, dtype=q.dtype)
+    scores = np.empty((heads // keys.shape[1], keys.shape[2]), dtype=np.float32)
+    _kernel()(q.numpy(), keys.numpy(), values.numpy(), slots, key_lens, np.float32(dim ** -0.5), out.numpy(), scores)
+    return out.view(tokens, heads * dim)
+
+
+def query_layout(slots, starts, lengths) -> tuple[np.ndarray, np.ndarray]:
+    """Per query token, packed row after row: its slot, and how many keys it attends (its position + 1)."""
+    token_slots = np.repeat(np.asarray(slots, dtype=np.int64), lengths)
+    key_lens = np.concatenate([np.arange(start + 1, start + n + 1, dtype=np.int64)
+                               for start, n in zip(starts, lengths)])
+    return token_slots, key_lens

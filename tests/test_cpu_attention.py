@@ -1,0 +1,80 @@
+"""The compiled CPU attention of decode and verify tokens (specdec/models/cpu_attention.py) against SDPA."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models_helpers import random_tokens, reference_logits, relative_error, tiny_dir
+from specdec.models import cpu_attention
+from specdec.models.llama import LlamaModel
+
+pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="numba is not installed")
+
+
+def sdpa_per_token(q, keys, values, slots, key_lens):
+    """The reference: each query token alone through SDPA over its slot's first key_lens keys."""
+    rows = []
+    for t, (slot, length) in enumerate(zip(slots.tolist(), key_lens.tolist())):
+        out = F.scaled_dot_product_attention(q[t][None, :, None], keys[slot : slot + 1, :, :length],
+                                             values[slot : slot + 1, :, :length],
+                                             enable_gqa=q.shape[1] != keys.shape[1])  # [1, H, 1, D]
+        rows.append(out.reshape(1, -1))
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(8, 2), (4, 4), (6, 1)])
+def test_tokens_from_any_slots_match_sdpa(heads, kv_heads):
+    """Decode rows and a causal verify row, from scattered slots, grouped-query or not."""
+    gen = torch.Generator().manual_seed(heads * 10 + kv_heads)
+    dim, ctx = 16, 64
+    keys = torch.randn(5, kv_heads, ctx + 1, dim, generator=gen)
+    values = torch.randn(5, kv_heads, ctx + 1, dim, generator=gen)
+    # rows: slot 3 decodes at 40, slot 0 verifies 4 tokens from 20, slot 4 decodes at its first key
+    slots, key_lens = cpu_attention.query_layout([3, 0, 4], [39, 20, 0], [1, 4, 1])
+    assert slots.tolist() == [3, 0, 0, 0, 0, 4] and key_lens.tolist() == [40, 21, 22, 23, 24, 1]
+    q = torch.randn(len(slots), heads, dim, generator=gen)
+    got = cpu_attention.attend(q, keys, values, slots, key_lens)
+    assert got.shape == (len(slots), heads * dim)
+    torch.testing.assert_close(got, sdpa_per_token(q, keys, values, slots, key_lens), rtol=0, atol=1e-5)
+
+
+def test_a_tokens_result_does_not_depend_on_its_batch():
+    """The same query at the same slot and length gives the same bits alone and among other rows:
+    a token verified in a batch is attended exactly as when decoded alone."""
+    gen = torch.Generator().manual_seed(7)
+    keys, values = torch.randn(4, 2, 33, 8, generator=gen), torch.randn(4, 2, 33, 8, generator=gen)
+    q = torch.randn(5, 4, 8, generator=gen)
+    slots, key_lens = cpu_attention.query_layout([1, 2], [10, 27], [4, 1])
+    batched = cpu_attention.attend(q, keys, values, slots, key_lens)
+    for t in range(5):
+        alone = cpu_attention.attend(q[t : t + 1], keys, values, slots[t : t + 1], key_lens[t : t + 1])
+        assert torch.equal(alone[0], batched[t])
+
+
+def test_the_model_uses_it_for_decodes_and_verifies_and_agrees_with_sdpa(tmp_path, monkeypatch):
+    """A decode, a verify and a decode from scattered slots: through the compiled loop (and not for a
+    long prefill), the logits equal SDPA's path within float32 rounding and transformers' within the
+    backend tests' tolerance. SPECDEC_CPU_ATTENTION=sdpa turns it off."""
+    path = tiny_dir(tmp_path, "llama3")
+    model = LlamaModel(path, num_slots=6, max_context=128)
+    assert model.compiled_attention
+    calls = []
+    original = cpu_attention.attend
+    monkeypatch.setattr(cpu_attention, "attend", lambda *a: calls.append(len(a[0])) or original(*a))
+    prefixes = [random_tokens(30, seed=1), random_tokens(20, seed=2), random_tokens(45, seed=3)]
+    new = [random_tokens(1, seed=4), random_tokens(5, seed=5), random_tokens(1, seed=6)]
+    slots = [model.allocate() for _ in range(6)]
+    compiled, plain = [slots[4], slots[1], slots[5]], [slots[0], slots[2], slots[3]]
+    for a, b, prefix in zip(compiled, plain, prefixes):
+        model.forward([a, b], [prefix, prefix], [0, 0])  # prefills of 20-45 tokens: SDPA
+    assert calls == []
+    got = model.forward(compiled, new, [1, 5, 1])
+    assert calls == [7] * model.config.num_layers  # every layer, the 7 tokens of the three rows
+    model.compiled_attention = False
+    want = model.forward(plain, new, [1, 5, 1])
+    assert len(calls) == model.config.num_layers
+    for row, (g, w) in enumerate(zip(got, want)):
+        assert relative_error(g, w) <= 1e-5
+        assert relative_error(g, reference_logits(path, prefixes[row] + new[row])[-len(new[row]):]) <= 1e-4
+    monkeypatch.setenv("SPECDEC_CPU_ATTENTION", "sdpa")
+    assert not LlamaModel(path, num_slots=2, max_context=64).compiled_attention
