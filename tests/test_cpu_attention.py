@@ -78,3 +78,13 @@ def test_the_model_uses_it_for_decodes_and_verifies_and_agrees_with_sdpa(tmp_pat
         assert relative_error(g, reference_logits(path, prefixes[row] + new[row])[-len(new[row]):]) <= 1e-4
     monkeypatch.setenv("SPECDEC_CPU_ATTENTION", "sdpa")
     assert not LlamaModel(path, num_slots=2, max_context=64).compiled_attention
+
+
+def test_more_than_two_threads_keep_sdpa(tmp_path, monkeypatch):
+    """The loop is single-threaded: where SDPA may split its work across more threads, it keeps it."""
+    model = LlamaModel(tiny_dir(tmp_path, "llama3"), num_slots=2, max_context=64)
+    slot = model.allocate()
+    model.forward([slot], [random_tokens(20)], [0])
+    assert model._plan([slot], [[5]], [20], [1], [1]).query_key_lens is not None
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    assert model._plan([slot], [[5]], [20], [1], [1]).query_key_lens is None

@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 # Rows longer than this (prefills) keep SDPA: a per-token loop re-reads the keys for every query,
 # where SDPA's blocked kernel reuses them across a long block.
 MAX_QUERY_TOKENS = 16
+# The loop runs on one thread. At two intra-op threads it still matched SDPA, which splits its work
+# across them (16 rows: 61 against 64 ms a step, round 30); with more threads SDPA is left to it.
+MAX_THREADS = 2
 # Vectorised sums need reassociation; no approximate exp, no assumption that values are finite.
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 
@@ -82,9 +85,13 @@ def _kernel():
 
     # Compile (or load from the disk cache) now, at model load, not in a session's first step.
     cache = np.zeros((1, 1, 2, 4), dtype=np.float32)
-    attend(np.zeros((1, 1, 4), dtype=np.float32), cache, cache, np.zeros(1, dtype=np.int64),
-           np.ones(1, dtype=np.int64), np.float32(0.5), np.zeros((1, 1, 4), dtype=np.float32),
-           np.zeros((1, 2), dtype=np.float32))
+    try:
+        attend(np.zeros((1, 1, 4), dtype=np.float32), cache, cache, np.zeros(1, dtype=np.int64),
+               np.ones(1, dtype=np.int64), np.float32(0.5), np.zeros((1, 1, 4), dtype=np.float32),
+               np.zeros((1, 2), dtype=np.float32))
+    except Exception as exc:  # noqa: BLE001 - a broken numba install must not stop a model loading
+        log.warning("the compiled CPU attention did not compile (%r); attention stays on SDPA", exc)
+        return None
     return attend
 
 

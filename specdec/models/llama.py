@@ -134,8 +134,8 @@ class LlamaModel:
         # On a CPU, rows whose slots are not one range attend slot by slot in place (_attention_in_place)
         # instead of gathering the batch's keys and values into one tensor every layer.
         self.attend_in_place = self.device.type == "cpu"
-        # On a CPU, float32 decode and verify tokens attend through a compiled loop (cpu_attention.py);
-        # SPECDEC_CPU_ATTENTION=sdpa keeps SDPA (an A/B switch for benchmarks).
+        # On a CPU, float32 decode and verify tokens attend through a compiled loop (cpu_attention.py)
+        # at up to two intra-op threads; SPECDEC_CPU_ATTENTION=sdpa keeps SDPA (an A/B switch).
         self.compiled_attention = (self.device.type == "cpu" and self.dtype == torch.float32
                                    and os.environ.get("SPECDEC_CPU_ATTENTION", "auto") != "sdpa"
                                    and cpu_attention.available())
@@ -368,7 +368,8 @@ class LlamaModel:
             tokens, positions, write_index = tokens[packed], positions[packed], write_index[packed]
             logit_index = (real.cumsum(0) - 1)[logit_index]  # a real token's flat index -> its packed one
         query_slots = query_key_lens = None
-        if self.compiled_attention and T <= cpu_attention.MAX_QUERY_TOKENS:
+        if (self.compiled_attention and T <= cpu_attention.MAX_QUERY_TOKENS
+                and torch.get_num_threads() <= cpu_attention.MAX_THREADS):
             query_slots, query_key_lens = cpu_attention.query_layout(slots, starts, lengths)
         positions = positions.to(dev)
         return _Batch(
