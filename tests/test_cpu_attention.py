@@ -55,6 +55,7 @@ def test_the_model_uses_it_for_decodes_and_verifies_and_agrees_with_sdpa(tmp_pat
     """A decode, a verify and a decode from scattered slots: through the compiled loop (and not for a
     long prefill), the logits equal SDPA's path within float32 rounding and transformers' within the
     backend tests' tolerance. SPECDEC_CPU_ATTENTION=sdpa turns it off."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # the loop's setting, on any machine
     path = tiny_dir(tmp_path, "llama3")
     model = LlamaModel(path, num_slots=6, max_context=128)
     assert model.compiled_attention
@@ -85,6 +86,7 @@ def test_more_than_two_threads_keep_sdpa(tmp_path, monkeypatch):
     model = LlamaModel(tiny_dir(tmp_path, "llama3"), num_slots=2, max_context=64)
     slot = model.allocate()
     model.forward([slot], [random_tokens(20)], [0])
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     assert model._plan([slot], [[5]], [20], [1], [1]).query_key_lens is not None
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
     assert model._plan([slot], [[5]], [20], [1], [1]).query_key_lens is None
