@@ -96,7 +96,7 @@ def _kernel():
 
 
 def available() -> bool:
-    """True where numba is installed (the compiled loop can run)."""
+    """True where numba is installed and the loop compiled (else the model keeps SDPA)."""
     return _kernel() is not None
 
 
