@@ -96,6 +96,11 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
         # slower than plain decoding; without, every drafted token is verified.
         packed = step_pricing == "packed" or (step_pricing == "auto" and engine.model.packs_ragged_rows)
         self.trimmer = DraftTrimmer(margin=trim_margin, price_cycles=trim_cycles, packed=packed) if trim_drafts else None
+        # StartSessions waiting for their prefill: changed on the event loop only, read by the cycle
+        # pricing on the model thread as load about to arrive (cycle_wall.py).
+        self._starting = 0
+        if self.trimmer is not None and self.trimmer.cycle_wall is not None:
+            self.trimmer.cycle_wall.starting = lambda: self._starting
         step = functools.partial(run_trimmed_batch, engine, self.trimmer) if trim_drafts \
             else functools.partial(run_target_batch, engine)
         # The draft model this service hosts (--inner-draft) for DecodeStream's model_draft_tokens: its
@@ -121,11 +126,15 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
         params = sampling_params_from_proto(request.sampling)
         tokens = list(request.token_ids)
         annotate(**{SPECDEC_SESSION_ID: request.session_id, "specdec.num_prompt_tokens": len(tokens)})
-        position, first, draft_limit = await self._step(
-            "prefill", len(tokens), self._start_session,
-            request.session_id, tokens, params, request.sample_first_token, request.drafts_elsewhere,
-            request.draft_source,
-        )
+        self._starting += 1
+        try:
+            position, first, draft_limit = await self._step(
+                "prefill", len(tokens), self._start_session,
+                request.session_id, tokens, params, request.sample_first_token, request.drafts_elsewhere,
+                request.draft_source,
+            )
+        finally:
+            self._starting -= 1
         response = target_pb2.TargetServiceStartSessionResponse(position=position)
         if first is not None:
             response.first_token_id = first

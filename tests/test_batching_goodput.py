@@ -191,7 +191,7 @@ def test_trimmed_verification_is_lossless(tiny_dir, refusing, packed):
                                                                   max_context=128))
     trimmer = trimmer_with_cost(beta=0.02, packed=packed)
     if refusing:  # as after a refusal: new sessions drafting elsewhere start refused for 64 steps
-        trimmer.cycle_wall._verdicts[""] = (0, 64)
+        trimmer.cycle_wall._verdicts[""] = (0, 64, 0)
     prompts = {f"s{i}": [i + 1, 2 * i + 3, 7] for i in range(6)}
     expected, kept_lengths = {}, set()
     for session_id, prompt in prompts.items():

@@ -248,17 +248,65 @@ def test_a_probe_that_never_answers_passes_the_turn_on():
 
 
 def test_a_lone_session_passes_its_turn_on():
-    """With no one else active there is no verdict to reach (the coordinator's call): a lone session
-    that probes for a refused source lets the next one probe at once, without waiting for patience."""
+    """With no one else active there is no verdict to reach (the coordinator's call): a session that
+    holds a refused source's probe and finds itself alone lets the next one probe at once, without
+    waiting for patience."""
+    steps, pricing = refused_source_with_two_waiting_sessions()  # "a" holds the probe, "b" waits
+    alone = Steps(steps.trimmer, plain=())
+    alone.now = steps.now + 1.0  # the others have gone quiet
+    alone.run([DecodeWork("a", 10)], [[1]])  # its last plain step
+    assert alone.cycles("a", 1, every=6, accepted=0) == [4]  # its probe: losing, but alone
+    assert pricing.refusals == 1
+    steps.now = alone.now + 1.0  # busy again, well within probe_patience of the grant
+    steps.run()
+    assert pricing.admit("next", steps.now) == 0  # the probe is free: it takes it at once
+    assert pricing.admit("after", steps.now) > 0
+
+
+def test_a_refusal_holds_for_its_load_and_heavier_ones():
+    """A verdict is about a load: under a clearly lighter one (fewer than `lighter` x the sessions the
+    losing cycle met) a new session drafts at once and holds no probe, and a cycle that pays there
+    does not clear the verdict for the heavier load; one that pays under that load does."""
+    trimmer = gpu_trimmer()
+    steps = Steps(trimmer)  # 8 sessions: the slow one and 7 plain
+    pricing = trimmer.cycle_wall
+    assert steps.cycles("slow", 3, every=6, accepted=2) == [4, 4, 4] and pricing.refuses("slow")
+    assert pricing.admit("heavy", steps.now) > 0  # under the same load: refused from its start
+    light = Steps(trimmer, plain=("p0",))
+    light.now = steps.now + 1.0  # 2 sessions now: 2 < 0.75 x 8
+    assert pricing.admit("light", light.now) == 0
+    assert light.cycles("light", 3, every=2, accepted=4) == [4, 4, 4] and not pricing.refuses("light")
+    assert pricing.admit("light2", light.now) == 0
+    # Back to 8 sessions: the verdict still holds for new sessions there, though "light" paid.
+    steps.now = light.now + 1.0
+    steps.run()
+    assert pricing.admit("heavy2", steps.now) > 0
+    # A cycle that pays under the heavier load clears it.
+    while pricing.refuses("heavy2"):
+        steps.run([DecodeWork("heavy2", 10)], [[1]])
+    assert steps.cycles("heavy2", 1, every=2, accepted=4) == [4]
+    assert pricing.admit("heavy3", steps.now) == 0
+
+
+def test_sessions_still_waiting_for_their_prefill_count_as_load():
+    """StartSessions queued behind a prefill are the next steps' rows: a cycle that meets few sessions
+    with results while many wait to start is priced against the load they will make, so it does not
+    clear a refusal made under that load (a burst's head looked light and let every new session draft)."""
     trimmer = gpu_trimmer()
     steps = Steps(trimmer)
     pricing = trimmer.cycle_wall
     assert steps.cycles("slow", 3, every=6, accepted=2) == [4, 4, 4] and pricing.refuses("slow")
-    alone = Steps(trimmer, plain=())
-    alone.now = steps.now + 1.0  # the others have gone quiet
-    assert alone.cycles("alone", 1, every=1, accepted=0) == [0]  # new within the window: refused
-    while pricing.refuses("alone"):
-        alone.run([DecodeWork("alone", 10)], [[1]])
-    assert pricing.refuses("next", external("next"))  # "alone" holds the probe
-    assert alone.cycles("alone", 2, every=6, accepted=0) == [4, 4]  # its probe: losing, but alone
-    assert not pricing.refuses("next", external("next")) and pricing.refusals == 1
+    for _ in range(4 * pricing.first_backoff):  # the window ends
+        steps.run()
+    waiting = 7
+    pricing.starting = lambda: waiting
+    head = Steps(trimmer, plain=())  # alone so far: the others are queued for their prefill
+    head.now = steps.now + 1.0
+    assert pricing.admit("first", head.now) == 0  # it probes for the source
+    assert pricing.admit("second", head.now) > 0  # and the next waits for its answer
+    # Its cycles would pay a lone session, but not a session among 8: the refusal stands and doubles.
+    assert head.cycles("first", 2, every=4, accepted=2) == [4, 4]
+    assert pricing.refusals == 2 and pricing.admit("third", head.now) > 0
+    # Once they have started and gone, a new session here is under a lighter load: it drafts.
+    waiting = 0
+    assert pricing.admit("fourth", head.now + 1.0) == 0

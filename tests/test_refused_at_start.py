@@ -68,13 +68,13 @@ async def test_a_session_refused_at_start_opens_no_draft_and_probes_after_the_wi
         pricing = servicer.trimmer.cycle_wall
         # As after a refusal on a loaded target: new sessions drafting elsewhere are refused for the
         # next 40 of its steps (the source "": this draft engine in process has no address).
-        pricing._verdicts[""] = (pricing._steps, 40)
+        pricing._verdicts[""] = (pricing._steps, 40, 0)
         short = await run(target, draft, "short", 24, adaptive)
         assert short.token_ids == expected[24]
         assert draft.started == [] and short.stats.cycles == 0  # plain throughout, no draft session
         # A fresh window: refused for its 40 steps; after them its plain steps allow a probe and it
         # drafts: the draft session opens then, and the identical draft pays.
-        pricing._verdicts[""] = (pricing._steps, 40)
+        pricing._verdicts[""] = (pricing._steps, 40, 0)
         long = await run(target, draft, "long", 96, adaptive)
         assert long.token_ids == expected[96]
         assert draft.started == ["long"] and long.stats.cycles > 0
@@ -110,10 +110,10 @@ async def test_through_the_coordinator_a_refused_session_never_touches_the_draft
             async with running_coordinator(redis_url, target_dir, [servicer.test_address],
                                            [draft_service.address]) as c:
                 # A refusal of another draft source says nothing of this one: the session drafts.
-                pricing._verdicts["other-draft:50053"] = (pricing._steps, 1000)
+                pricing._verdicts["other-draft:50053"] = (pricing._steps, 1000, 0)
                 other = await c.generate(prompt=prompt, max_new_tokens=20)
                 # Its own source refused (for longer than the test): plain from the start.
-                pricing._verdicts[draft_service.address] = (pricing._steps, 1000)
+                pricing._verdicts[draft_service.address] = (pricing._steps, 1000, 0)
                 first_refused = await c.generate(prompt=prompt, max_new_tokens=20)
                 prefills_before = _prefills(draft_service)
                 messages = await c.generate(prompt=prompt, max_new_tokens=20)
@@ -132,3 +132,30 @@ def _prefills(service) -> float:
     """StartSession calls the draft service has served (its prefill steps)."""
     return sum(float(line.split()[-1]) for line in service.metrics().splitlines()
                if line.startswith("specdec_draft_step_seconds_count") and 'step="prefill"' in line)
+
+
+async def test_start_sessions_waiting_for_their_prefill_are_counted_as_load(target_dir):
+    """The cycle pricing hears how many StartSessions wait for their prefill (the rows the next steps
+    will carry, which no result shows yet): the count includes each one until its prefill is done."""
+    import asyncio
+    import time
+
+    async with hosted(target_dir, TargetServicer, num_slots=4, max_context=CONTEXT, trim_drafts=True) as (
+            target, servicer):
+        pricing = servicer.trimmer.cycle_wall
+        assert pricing.starting() == 0
+        seen: list[int] = []
+        prefill = servicer.engine.start_session
+
+        def counting_prefill(*args, **kwargs):  # on the model thread: the first waits for all three
+            deadline = time.monotonic() + 10.0
+            while not seen and pricing.starting() < 3 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            seen.append(pricing.starting())
+            return prefill(*args, **kwargs)
+
+        servicer.engine.start_session = counting_prefill
+        await asyncio.gather(*(target.start_session(f"s{i}", PROMPT, SamplingParams(), drafts_elsewhere=True)
+                               for i in range(3)))
+        assert seen[0] == 3 and len(seen) == 3 and seen[-1] >= 1
+        assert pricing.starting() == 0

@@ -41,6 +41,14 @@ when their turn ends, because one session drafting among plain ones says little 
 drafting (on a CPU their wider verify steps slow every session). A lone session gets no verdict, so
 its turn passes on at its first cycle.
 
+A verdict holds for a load: the sessions the losing cycle met, counting those whose StartSession
+is still queued for its prefill (`starting`, told by the service: they are the next steps' rows). A
+session under a clearly lighter load (below `lighter` x the refusal's) may draft, and only a cycle
+that pays under at least that load clears the verdict. Without that, a probe that paid at a burst's
+tail, with most sessions gone, or at its head, with most still prefilling, let every new session of
+the next burst draft, and each then lost two to seven cycles before its refusal (on the CPU at 16
+sessions, 44-62 losing cycles a burst; docs/BENCHMARKS.md, "Round 30").
+
 Like the trimmer, this only chooses how many drafted tokens to verify: the output is unchanged.
 Thread-confined to the model thread, as the trimmer is. No I/O; the caller passes the clock.
 """
@@ -67,24 +75,28 @@ class _Pace:
 
 class CycleWallPricing:
     def __init__(self, margin: float = 0.0, decay: float = 0.7, min_cycles: int = 2, first_backoff: int = 32,
-                 max_backoff: int = 128, max_sessions: int = 4096, probe_patience: int = 16):
+                 max_backoff: int = 128, max_sessions: int = 4096, probe_patience: int = 16, lighter: float = 0.75):
         # min_cycles: a session's first verdict waits for this many measured cycles (the first one
         # after a plain run also pays the switch: a plain run cancelled, the draft catching up). A
         # probe after a refusal decides on its one cycle: it only has to confirm the refusal.
         self.margin, self.decay, self.min_cycles = margin, decay, min_cycles
         self.first_backoff, self.max_backoff = first_backoff, max_backoff
-        self.max_sessions, self.probe_patience = max_sessions, probe_patience
+        self.max_sessions, self.probe_patience, self.lighter = max_sessions, probe_patience, lighter
+        # Sessions whose StartSession waits for its prefill (the service counts them; any thread may
+        # call it): load that the next steps will carry, and that the sessions with results do not show.
+        self.starting: Callable[[], int] = lambda: 0
         self.refusals = 0  # sessions refused so far (a metric)
         self._steps = 0  # steps observed: the clock of the latest refusal's window for new sessions
-        # Per draft source: (the step of its latest refusal, the plain steps it refused for); absent
-        # once one of its verdicts paid. One window per source: a slow draft service's verdict must
-        # not hold back the new sessions of another.
-        self._verdicts: dict[str, tuple[int, int]] = {}
+        # Per draft source: (the step of its latest refusal, the plain steps it refused for, the load it
+        # holds for); absent once one of its cycles paid under that load. One window per source: a slow
+        # draft service's verdict must not hold back the new sessions of another.
+        self._verdicts: dict[str, tuple[int, int, int]] = {}
         # Per refused source: (the session probing for it, the step its probe was granted): one at a time.
         self._probes: dict[str, tuple[str, int]] = {}
         self._sources: OrderedDict[str, str] = OrderedDict()  # session -> draft source (StartSession)
         self._sessions: OrderedDict[str, _Pace] = OrderedDict()
         self._gap_s: float | None = None  # between one step's end and the next one's start, when busy
+        self._step_s = 0.0  # the latest step's length
         self._last_end: float | None = None
 
     def refuses(self, session_id: str, work=None) -> bool:
@@ -92,7 +104,8 @@ class CycleWallPricing:
         for a session not seen yet (a draft from elsewhere starts from the latest verdict)."""
         pace = self._sessions.get(session_id)
         if pace is None:
-            return self._turn(session_id, self._sources.get(session_id, "")) > 0 and _drafted_elsewhere(work)
+            source = self._sources.get(session_id, "")
+            return _drafted_elsewhere(work) and self._turn(session_id, source, self.load(self._last_end)) > 0
         return pace.refused_for > 0
 
     def admit(self, session_id: str, now: float, source: str = "") -> int:
@@ -100,30 +113,35 @@ class CycleWallPricing:
         steps it is refused for from the start (what is left of its source's latest refusal window; 0:
         it may draft). A refused one is told at once, so its coordinator opens no draft session for it."""
         self._remember(self._sources, session_id, source)
-        pace = self._new_pace(session_id, source, now)
+        pace = self._new_pace(session_id, source, now, self.load(now))
         if pace.refused_for:  # (unrefused, its first row sets the clock: a cycle is not measured from a prefill)
             self._remember(self._sessions, session_id, pace)
         return pace.refused_for
 
-    def _new_pace(self, session_id: str, source: str, last_result: float) -> _Pace:
-        """A new session drafting from `source` starts from its latest verdict: refused for the rest of
-        its window; after it, it waits its turn to probe, its first measured cycle decides, and a loss
-        doubles that refusal."""
-        length = self._verdicts.get(source, (0, 0))[1]
-        return _Pace(last_result=last_result, refused_for=self._wait_to_probe(session_id, source),
+    def _new_pace(self, session_id: str, source: str, last_result: float, load: int) -> _Pace:
+        """A new session drafting from `source` under `load` starts from its latest verdict: refused for
+        the rest of its window; after it, it waits its turn to probe, its first measured cycle decides,
+        and a loss doubles that refusal."""
+        length = self._verdicts.get(source, (0, 0, 0))[1]
+        return _Pace(last_result=last_result, refused_for=self._wait_to_probe(session_id, source, load),
                      backoff=length, source=source)
 
-    def _wait_to_probe(self, session_id: str, source: str) -> int:
+    def _wait_to_probe(self, session_id: str, source: str, load: int) -> int:
         """Steps the session must still decode plainly before it may draft from `source` (0: now; it then
-        holds the source's probe, if the source stands refused)."""
-        wait = self._turn(session_id, source)
-        if wait == 0 and source in self._verdicts:
+        holds the source's probe, if the source stands refused for this load)."""
+        wait = self._turn(session_id, source, load)
+        if wait == 0 and self._holds(source, load):
             self._probes[source] = (session_id, self._steps)
         return wait
 
-    def _turn(self, session_id: str, source: str) -> int:
+    def _holds(self, source: str, load: int) -> bool:
+        """Whether the source stands refused for `load` (a clearly lighter load than its refusal's is not)."""
+        verdict = self._verdicts.get(source)
+        return verdict is not None and load >= self.lighter * verdict[2]
+
+    def _turn(self, session_id: str, source: str, load: int) -> int:
         """_wait_to_probe without taking the probe."""
-        if source not in self._verdicts:  # never refused, or its latest verdict paid: no turns to take
+        if not self._holds(source, load):  # never refused, paid since, or a lighter load: no turns to take
             return 0
         left = self._inherited_refusal(source)
         if left:
@@ -136,8 +154,15 @@ class CycleWallPricing:
 
     def _inherited_refusal(self, source: str) -> int:
         """Plain steps left of the source's latest refusal window: what a new session starts refused for."""
-        step, length = self._verdicts.get(source, (0, 0))
+        step, length, _ = self._verdicts.get(source, (0, 0, 0))
         return max(0, step + length - self._steps)
+
+    def load(self, now: float | None) -> int:
+        """The sessions the next steps carry: those with a result in the last few steps, and those
+        still waiting for their prefill."""
+        horizon = 4 * (self._step_s + (self._gap_s or 0.0))
+        recent = 0 if now is None else self.active_sessions(now, horizon)
+        return recent + self.starting()
 
     def active_sessions(self, now: float, horizon_s: float) -> int:
         """Sessions with a result in the last horizon_s seconds (a session that ended stops counting).
@@ -160,14 +185,14 @@ class CycleWallPricing:
         if self._last_end is not None and 0.0 <= started - self._last_end <= step_s:  # back to back
             gap = started - self._last_end
             self._gap_s = gap if self._gap_s is None else self.decay * self._gap_s + (1 - self.decay) * gap
-        self._last_end = ended
+        self._last_end, self._step_s = ended, step_s
         for work, result in zip(works, results):
             if isinstance(result, Exception):
                 continue
             pace = self._sessions.get(work.session_id)
             if pace is None:  # a session whose first row drafted elsewhere starts from the latest verdict
                 source = self._sources.get(work.session_id, "")
-                pace = self._new_pace(work.session_id, source, ended) if _drafted_elsewhere(work) \
+                pace = self._new_pace(work.session_id, source, ended, self.load(ended)) if _drafted_elsewhere(work) \
                     else _Pace(last_result=ended, source=source)
                 self._remember(self._sessions, work.session_id, pace)
                 continue
@@ -178,18 +203,19 @@ class CycleWallPricing:
             if pace.refused_for > 0:  # a step of the refusal, plain (or a verify cut to nothing)
                 pace.refused_for -= 1
                 if pace.refused_for == 0:
-                    pace.refused_for = self._wait_to_probe(work.session_id, pace.source)
+                    pace.refused_for = self._wait_to_probe(work.session_id, pace.source, self.load(ended))
                 if pace.refused_for == 0:  # a probe may come: measure it afresh
                     pace.wall_s, pace.tokens, pace.cycles = None, None, 0
             elif isinstance(result, VerifyOutcome) and _drafted_elsewhere(work):
                 # The load this cycle met: the sessions with a result during it (this one's previous
-                # result included), at least the rows of this step.
-                active = max(self.active_sessions(ended, wall), len(works))
+                # result included), at least the rows of this step, and those about to join.
+                active = max(self.active_sessions(ended, wall), len(works)) + self.starting()
                 self._cycle(work.session_id, pace, result.num_accepted + 1, wall,
-                            plain_step_s(active) if active > 1 else None)
+                            plain_step_s(active) if active > 1 else None, active)
             pace.last_result = ended
 
-    def _cycle(self, session_id: str, pace: _Pace, tokens: int, wall: float, plain_step_s: float | None) -> None:
+    def _cycle(self, session_id: str, pace: _Pace, tokens: int, wall: float, plain_step_s: float | None,
+               load: int) -> None:
         d = self.decay
         pace.wall_s = wall if pace.wall_s is None else d * pace.wall_s + (1 - d) * wall
         pace.tokens = tokens if pace.tokens is None else d * pace.tokens + (1 - d) * tokens
@@ -202,14 +228,17 @@ class CycleWallPricing:
         self._answered(session_id, pace.source)
         plain_period = plain_step_s + (self._gap_s or 0.0)
         if pace.tokens / pace.wall_s >= (1.0 + self.margin) / plain_period:
-            pace.backoff = 0  # it pays: a later refusal starts short again, and new sessions draft at once
-            self._verdicts.pop(pace.source, None)
+            pace.backoff = 0  # it pays: a later refusal starts short again
+            if self._holds(pace.source, load):  # under the refusal's load: new sessions draft at once
+                self._verdicts.pop(pace.source, None)
             return
-        # The source's refusal doubles, whichever of its sessions probed.
-        length = max(pace.backoff, self._verdicts.get(pace.source, (0, 0))[1])
+        # The source's refusal doubles, whichever of its sessions probed, and holds from the lightest
+        # load it lost under.
+        _, length, refused_load = self._verdicts.get(pace.source, (0, 0, load))
+        length = max(pace.backoff, length)
         pace.backoff = self.first_backoff if length == 0 else min(2 * length, self.max_backoff)
         pace.refused_for = pace.backoff
-        self._verdicts[pace.source] = (self._steps, pace.backoff)
+        self._verdicts[pace.source] = (self._steps, pace.backoff, min(load, refused_load))
         self.refusals += 1
 
     def _answered(self, session_id: str, source: str) -> None:
