@@ -148,8 +148,11 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
         will draft on a draft service, whether the cycle pricing refuses it from the start."""
         position, first = self.engine.start_session(session_id, tokens, params, sample_first_token)
         draft_limit = None
-        if drafts_elsewhere and self.trimmer is not None:
-            draft_limit = self.trimmer.admit_drafting_elsewhere(session_id, time.perf_counter(), draft_source)
+        if self.trimmer is not None:
+            now = time.perf_counter()
+            if drafts_elsewhere:
+                draft_limit = self.trimmer.admit_drafting_elsewhere(session_id, now, draft_source)
+            self.trimmer.session_started(session_id, now)  # after: it was still counted as starting
         return position, first, draft_limit
 
     async def Verify(self, request, context):

@@ -129,7 +129,11 @@ def test_the_latest_refusal_passes_to_new_sessions_for_its_window_of_steps_only(
     # next new session waits for its answer (sessions of a refused source take turns, below).
     assert not trimmer.cycle_wall.refuses("later")
     assert steps.cycles("latest", 1, every=1, accepted=2) == [0]
-    assert steps.cycles("later", 1, every=2, accepted=4) == [4]  # it pays: new sessions draft at once
+    # It pays, for as many cycles as a first verdict takes (one lucky block is not enough): new
+    # sessions draft at once.
+    assert steps.cycles("later", 1, every=2, accepted=4) == [4]
+    assert pricing_refuses_new(trimmer, "waits")
+    assert steps.cycles("later", 1, every=2, accepted=4) == [4]
     assert steps.cycles("newest", 1, every=1, accepted=2) == [4]
 
 
@@ -189,6 +193,11 @@ def test_each_draft_source_has_its_own_window():
     assert steps.cycles("unnamed", 1, every=1, accepted=4) == [4]
 
 
+def pricing_refuses_new(trimmer: DraftTrimmer, session_id: str) -> bool:
+    """Whether a new session drafting elsewhere would have its first draft cut now."""
+    return trimmer.cycle_wall.refuses(session_id, external(session_id))
+
+
 def refused_source_with_two_waiting_sessions():
     """A slow session refuses the source; "a" and "b" start inside its window (refused from their start)
     and decode plainly; "a" comes first in every step, so its refusal ends first. Returns the steps and
@@ -226,6 +235,8 @@ def test_sessions_of_a_refused_source_take_turns_to_probe():
 def test_a_probe_that_pays_clears_the_source_for_new_sessions_and_the_waiting_ones_probe_in_turn():
     steps, pricing = refused_source_with_two_waiting_sessions()
     assert steps.cycles("a", 1, every=2, accepted=4) == [4]  # 5 tokens in 2 steps: it pays
+    assert pricing.admit("early", steps.now) > 0  # but one cycle may be luck: the verdict stands
+    assert steps.cycles("a", 1, every=2, accepted=4) == [4]  # the second cycle confirms it
     assert not pricing.refuses("a")
     assert pricing.admit("c", steps.now) == 0  # new sessions draft from their start
     # "b" was refused while one session drafted among plain ones, which says little of all drafting:
@@ -281,10 +292,10 @@ def test_a_refusal_holds_for_its_load_and_heavier_ones():
     steps.now = light.now + 1.0
     steps.run()
     assert pricing.admit("heavy2", steps.now) > 0
-    # A cycle that pays under the heavier load clears it.
+    # Cycles that pay under the heavier load clear it.
     while pricing.refuses("heavy2"):
         steps.run([DecodeWork("heavy2", 10)], [[1]])
-    assert steps.cycles("heavy2", 1, every=2, accepted=4) == [4]
+    assert steps.cycles("heavy2", 2, every=2, accepted=4) == [4, 4]
     assert pricing.admit("heavy3", steps.now) == 0
 
 
@@ -310,3 +321,25 @@ def test_sessions_still_waiting_for_their_prefill_count_as_load():
     # Once they have started and gone, a new session here is under a lighter load: it drafts.
     waiting = 0
     assert pricing.admit("fourth", head.now + 1.0) == 0
+
+
+def test_sessions_prefilled_but_not_stepped_yet_count_as_load():
+    """A burst's sessions are prefilled one after another before any of them steps: each one
+    admitted must see the ones prefilled before it (no result shows them yet), or the burst's tail
+    looks light and drafts against a refusal made under the burst's load."""
+    trimmer = gpu_trimmer()
+    steps = Steps(trimmer)
+    pricing = trimmer.cycle_wall
+    assert steps.cycles("slow", 3, every=6, accepted=2) == [4, 4, 4] and pricing.refuses("slow")
+    now = steps.now + 1.0  # the 8 sessions have gone; a new burst of 8 is prefilled one by one
+    refused = []
+    for i in range(8):
+        pricing.starting = lambda: 8 - i  # noqa: B023 - this one and those queued behind it
+        refused.append(pricing.admit(f"burst-{i}", now) > 0)
+        trimmer.session_started(f"burst-{i}", now)
+        now += 0.15
+    assert all(refused)
+    # Once they step, their results show them; a session prefilled long ago that never stepped does not count.
+    pricing.starting = lambda: 0
+    assert pricing.load(now) == 8
+    assert pricing.load(now + 60.0) == 0

@@ -136,7 +136,8 @@ def _prefills(service) -> float:
 
 async def test_start_sessions_waiting_for_their_prefill_are_counted_as_load(target_dir):
     """The cycle pricing hears how many StartSessions wait for their prefill (the rows the next steps
-    will carry, which no result shows yet): the count includes each one until its prefill is done."""
+    will carry, which no result shows yet): the count includes each one until its prefill is done, and
+    then it counts as prefilled until its first step."""
     import asyncio
     import time
 
@@ -159,3 +160,4 @@ async def test_start_sessions_waiting_for_their_prefill_are_counted_as_load(targ
                                for i in range(3)))
         assert seen[0] == 3 and len(seen) == 3 and seen[-1] >= 1
         assert pricing.starting() == 0
+        assert pricing.load(time.perf_counter()) == 3  # prefilled, none stepped yet: still load

@@ -36,13 +36,15 @@ probes (holding the source's probe for up to probe_patience steps, until its ver
 others wait. The load is the same for all of them, so one probe answers for all: eight sessions
 probing on their own clocks had paid eight probes' round trips and draft catch-ups for one answer
 (on 2 H200s at 8 sessions, 118 cycles for 32 requests that decoded 94% of their tokens plainly). A
-probe that pays clears the source's verdict for new sessions; the waiting ones still probe one by one
-when their turn ends, because one session drafting among plain ones says little of all of them
-drafting (on a CPU their wider verify steps slow every session). A lone session gets no verdict, so
-its turn passes on at its first cycle.
+probe that pays over min_cycles cycles (one losing cycle confirms a refusal, but one lucky block must
+not lift it) clears the source's verdict for new sessions; the waiting ones still wait for their turn
+to end, because one session drafting among plain ones says little of all of them drafting (on a CPU
+their wider verify steps slow every session). A lone session gets no verdict, so its turn passes on
+at its first cycle.
 
 A verdict holds for a load: the sessions the losing cycle met, counting those whose StartSession
-is still queued for its prefill (`starting`, told by the service: they are the next steps' rows). A
+is still queued for its prefill (`starting`, told by the service) and those prefilled whose first
+step has not come (`started`): no result shows them yet, but they are the next steps' rows. A
 session under a clearly lighter load (below `lighter` x the refusal's) may draft, and only a cycle
 that pays under at least that load clears the verdict. Without that, a probe that paid at a burst's
 tail, with most sessions gone, or at its head, with most still prefilling, let every new session of
@@ -60,6 +62,10 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from specdec.types import VerifyOutcome
+
+# A session prefilled this long ago without a step since no longer counts as load about to arrive: a
+# burst's last prefill waits for all the others' (16 x 150 ms on a CPU) and its first draft.
+JOIN_WINDOW_S = 10.0
 
 
 @dataclass
@@ -85,6 +91,8 @@ class CycleWallPricing:
         # Sessions whose StartSession waits for its prefill (the service counts them; any thread may
         # call it): load that the next steps will carry, and that the sessions with results do not show.
         self.starting: Callable[[], int] = lambda: 0
+        # Sessions prefilled (started) whose first step has not come yet: also load no result shows.
+        self._joined: OrderedDict[str, float] = OrderedDict()
         self.refusals = 0  # sessions refused so far (a metric)
         self._steps = 0  # steps observed: the clock of the latest refusal's window for new sessions
         # Per draft source: (the step of its latest refusal, the plain steps it refused for, the load it
@@ -157,12 +165,24 @@ class CycleWallPricing:
         step, length, _ = self._verdicts.get(source, (0, 0, 0))
         return max(0, step + length - self._steps)
 
+    def started(self, session_id: str, now: float) -> None:
+        """A session was prefilled (any session, drafting or not): it is load from now on, though
+        until its first step no result shows it."""
+        self._remember(self._joined, session_id, now)
+
     def load(self, now: float | None) -> int:
-        """The sessions the next steps carry: those with a result in the last few steps, and those
-        still waiting for their prefill."""
+        """The sessions the next steps carry: those with a result in the last few steps, those
+        prefilled but not stepped yet, and those still waiting for their prefill."""
         horizon = 4 * (self._step_s + (self._gap_s or 0.0))
         recent = 0 if now is None else self.active_sessions(now, horizon)
-        return recent + self.starting()
+        return recent + self._waiting_to_step(now) + self.starting()
+
+    def _waiting_to_step(self, now: float | None) -> int:
+        """Sessions started in the last JOIN_WINDOW_S whose first step has not come (older ones have
+        gone without a step, or their coordinator is elsewhere: forgotten)."""
+        while self._joined and (now is None or now - next(iter(self._joined.values())) > JOIN_WINDOW_S):
+            self._joined.popitem(last=False)
+        return len(self._joined)
 
     def active_sessions(self, now: float, horizon_s: float) -> int:
         """Sessions with a result in the last horizon_s seconds (a session that ended stops counting).
@@ -186,6 +206,8 @@ class CycleWallPricing:
             gap = started - self._last_end
             self._gap_s = gap if self._gap_s is None else self.decay * self._gap_s + (1 - self.decay) * gap
         self._last_end, self._step_s = ended, step_s
+        for work in works:
+            self._joined.pop(work.session_id, None)
         for work, result in zip(works, results):
             if isinstance(result, Exception):
                 continue
@@ -209,7 +231,8 @@ class CycleWallPricing:
             elif isinstance(result, VerifyOutcome) and _drafted_elsewhere(work):
                 # The load this cycle met: the sessions with a result during it (this one's previous
                 # result included), at least the rows of this step, and those about to join.
-                active = max(self.active_sessions(ended, wall), len(works)) + self.starting()
+                active = max(self.active_sessions(ended, wall), len(works)) + self._waiting_to_step(ended) \
+                    + self.starting()
                 self._cycle(work.session_id, pace, result.num_accepted + 1, wall,
                             plain_step_s(active) if active > 1 else None, active)
             pace.last_result = ended
@@ -225,9 +248,14 @@ class CycleWallPricing:
             return
         if pace.cycles < (1 if pace.backoff else self.min_cycles):
             return
-        self._answered(session_id, pace.source)
         plain_period = plain_step_s + (self._gap_s or 0.0)
-        if pace.tokens / pace.wall_s >= (1.0 + self.margin) / plain_period:
+        pays = pace.tokens / pace.wall_s >= (1.0 + self.margin) / plain_period
+        if pays and pace.cycles < self.min_cycles:
+            # A probe's one cycle confirms a refusal, but one lucky block must not lift it: every waiting
+            # session would draft at once (on the CPU at 16 sessions, 15 lost a cycle each after one).
+            return
+        self._answered(session_id, pace.source)
+        if pays:
             pace.backoff = 0  # it pays: a later refusal starts short again
             if self._holds(pace.source, load):  # under the refusal's load: new sessions draft at once
                 self._verdicts.pop(pace.source, None)

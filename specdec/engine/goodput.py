@@ -213,6 +213,11 @@ class DraftTrimmer:
             return None
         return 0
 
+    def session_started(self, session_id: str, now: float) -> None:
+        """Any session was prefilled: load its first step will add (the cycle pricing counts it)."""
+        if self.cycle_wall is not None:
+            self.cycle_wall.started(session_id, now)
+
     def _refused(self, works: Sequence[Work]) -> set[int]:
         """The rows whose sessions cycle_wall refuses for now (their drafts do not pay their round trips)."""
         if self.cycle_wall is None:
