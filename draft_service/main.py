@@ -149,7 +149,7 @@ def build_engine(settings: DraftServiceSettings):
         model = load_model(model_dir, backend=settings.backend, device=settings.device, dtype=settings.dtype,
                            num_slots=settings.num_slots, max_context=settings.max_context, name=settings.model,
                            head_vocab=settings.head_vocab, cuda_graphs=settings.cuda_graphs, compile_layers=settings.compile_layers,
-                       graph_warmup_context=settings.graph_warmup_context)
+                       graph_warmup_context=settings.graph_warmup_context, fused_decode=True)
         proposer = DraftModelProposer(model, top_m=settings.top_m, copy=CopyRule(settings.copy_below))
         info, top_m = model.info, settings.top_m
     engine = DraftEngine(proposer, idle_ttl_s=settings.session_ttl_s, max_draft_tokens=settings.max_draft_tokens)

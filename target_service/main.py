@@ -186,7 +186,7 @@ def load_inner_draft(settings: TargetServiceSettings, tokenizer):
     model = load_model(draft_dir, backend=settings.backend, device=settings.device, dtype=settings.dtype,
                        num_slots=settings.num_slots, max_context=settings.max_context, name=settings.inner_draft,
                        head_vocab=settings.inner_draft_head_vocab, cuda_graphs=settings.cuda_graphs,
-                       graph_warmup_context=settings.graph_warmup_context)
+                       graph_warmup_context=settings.graph_warmup_context, fused_decode=True)
     return DraftEngine(DraftModelProposer(model, copy=CopyRule(settings.inner_draft_copy_below)), idle_ttl_s=settings.session_ttl_s,
                        max_draft_tokens=settings.max_draft_tokens)
 

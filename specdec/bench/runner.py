@@ -169,7 +169,8 @@ class Bench:
         drafts = {"ngram": DraftEngine(NgramProposer())}
         if self.draft_dir is not None:
             # The draft service's default head ("auto": reduced on CPU), so t_draft is what it pays.
-            self.inproc_models["draft"] = load(self.draft_dir, c.draft_device or c.device, head_vocab="auto")
+            self.inproc_models["draft"] = load(self.draft_dir, c.draft_device or c.device, head_vocab="auto",
+                                                   fused_decode=True)
             drafts["draft-model"] = DraftEngine(DraftModelProposer(self.inproc_models["draft"], top_m=0,
                                                                      copy=CopyRule()))
         plain = InProcessPlain(target, self.eos)

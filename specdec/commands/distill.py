@@ -313,9 +313,12 @@ def _cost(args) -> int:
     rows = args.head_vocab or recommended_head_vocab(draft)
     heads = {}
     if rows and args.backend == "native":
-        paths[f"draft_head{rows}"] = str(draft)
-        heads[f"draft_head{rows}"] = (rows, args.context_rows)
-    result = decode_step_ms(paths, args.backend, args.context, args.repeats, heads=heads)
+        # As served (the compiled step), and through PyTorch's operators for comparison.
+        for name in (f"draft_head{rows}", f"draft_head{rows}_pytorch"):
+            paths[name] = str(draft)
+            heads[name] = (rows, args.context_rows)
+    fused = frozenset(n for n in paths if n.startswith("draft") and not n.endswith("_pytorch"))
+    result = decode_step_ms(paths, args.backend, args.context, args.repeats, heads=heads, fused=fused)
     for name in (n for n in paths if n != "target"):
         for stat in ("median_ms", "min_ms"):
             result[name][f"ratio_{stat[:-3]}"] = round(result[name][stat] / result["target"][stat], 4)

@@ -179,7 +179,7 @@ def head_vocab(records: list[Record], size: int) -> tuple[torch.Tensor, float]:
 
 def decode_step_ms(
     paths: dict[str, str], backend: str = "native", context: int = 300, repeats: int = 40, seed: int = 0,
-    heads: dict[str, tuple[int, int]] | None = None,
+    heads: dict[str, tuple[int, int]] | None = None, fused: frozenset[str] = frozenset(),
 ) -> dict[str, dict[str, float]]:
     """Median and minimum ms of one decode step (batch 1, `context` tokens cached) for each model.
 
@@ -187,13 +187,15 @@ def decode_step_ms(
     repetition, so a neighbour's load on a shared machine hits all of them alike; each timed step is undone
     with truncate so every repetition runs at the same position. heads[name] = (rows, context_rows): load
     that model with a reduced head of `rows` rows, scoring `context_rows` further ids beside it each step
-    (the session's context tokens outside the head, as the draft proposer does).
+    (the session's context tokens outside the head, as the draft proposer does). The models named in
+    `fused` load as drafts are served on a CPU, with their decode step as one compiled loop
+    (specdec.models.cpu_decode).
     """
     from specdec.models.loader import load_model
 
     heads = heads or {}
     models = {n: load_model(p, backend, dtype="float32", num_slots=1, max_context=context + 8,
-                            head_vocab=heads.get(n, (None, 0))[0]) for n, p in paths.items()}
+                            head_vocab=heads.get(n, (None, 0))[0], fused_decode=n in fused) for n, p in paths.items()}
     prompt = torch.randint(0, 1000, (context,), generator=torch.Generator().manual_seed(seed)).tolist()
     extra = {}
     for name, model in models.items():

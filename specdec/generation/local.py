@@ -69,7 +69,7 @@ def build_proposer(draft: str, settings: LocalSettings, target_tokenizer) -> obj
     check_compatible(load_tokenizer(draft_dir), target_tokenizer)
     model = load_model(draft_dir, backend=settings.backend, device=settings.device, dtype=settings.dtype,
                        head_vocab=settings.draft_head_vocab, cuda_graphs=settings.cuda_graphs,
-                       num_slots=settings.num_slots, max_context=settings.max_context)
+                       num_slots=settings.num_slots, max_context=settings.max_context, fused_decode=True)
     return DraftModelProposer(model, top_m=settings.top_m, copy=CopyRule(settings.copy_below))
 
 

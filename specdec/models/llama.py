@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from specdec.errors import InvalidArgument
-from specdec.models import cpu_attention
+from specdec.models import cpu_attention, cpu_decode
 from specdec.models.base import ModelInfo
 from specdec.models.kv_cache import SlotKVCache
 from specdec.models.linear_kernels import choose_linear
@@ -89,6 +89,9 @@ class LlamaModel:
     same pieces run uncompiled. Off by default: each new token count costs a compilation.
     graph_warmup_context (with cuda_graphs): capture every decode and verify shape of up to num_slots
     rows and this many keys now, instead of on first use (0: all on first use).
+    fused_decode: on a CPU in float32, forwards of up to cpu_decode.MAX_TOKENS tokens run as one
+    compiled loop (cpu_decode.py); a draft's option (its bits differ from this path's); needs numba,
+    a model without biases, and at most two intra-op threads; SPECDEC_CPU_DECODE=eager turns it off.
     """
 
     def __init__(
@@ -105,6 +108,7 @@ class LlamaModel:
         cuda_graphs: bool = False,
         compile_layers: bool = False,
         graph_warmup_context: int = 0,
+        fused_decode: bool = False,
     ):
         if dtype not in DTYPES:
             raise InvalidArgument(f"dtype {dtype!r} is not supported; choose one of {sorted(DTYPES)}")
@@ -143,6 +147,7 @@ class LlamaModel:
         # once) instead of four (cast, normalise, cast back, scale): a decode step is mostly small
         # kernels at a few microseconds each. It rounds once where transformers rounds twice.
         self.fuse_norm = self.device.type == "cuda"
+        self.fused = cpu_decode.for_model(self, path, head_token_ids) if fused_decode else None
         self.graphs = None
         if cuda_graphs:
             from specdec.models.cuda_graphs import GraphRunner
@@ -228,6 +233,11 @@ class LlamaModel:
         if self.graphs is not None and self.graphs.fits_in_pieces(lengths, num_logits):
             return self._in_pieces(slots, token_ids, lengths, num_logits, self.graphs.piece)
         starts = self._check(slots, token_ids, lengths, num_logits)
+        if (self.fused is not None and sum(lengths) <= cpu_decode.MAX_TOKENS
+                and torch.get_num_threads() <= cpu_attention.MAX_THREADS):
+            logits, h = self.fused.forward_rows(slots, token_ids, starts, lengths, num_logits)
+            self.cache.advance(slots, lengths)
+            return logits, h
         h = None
         if self.graphs is not None:
             h = self.graphs.forward(slots, token_ids, starts, lengths, num_logits)  # None: not a static shape

@@ -40,6 +40,7 @@ def load_model(
     cuda_graphs: bool | None = None,
     compile_layers: bool = False,
     graph_warmup_context: int = 0,
+    fused_decode: bool = False,
 ) -> CausalLM:
     """Load the model in directory `path` with `backend` ("native", "hf", or "auto": native if supported).
 
@@ -53,6 +54,9 @@ def load_model(
     layers torch.compile'd (specdec.models.compiled_layers); each new step shape compiles first.
     graph_warmup_context (native, with CUDA graphs): capture the step shapes of up to this many tokens
     of context at load time instead of on first use (0: on first use).
+    fused_decode (native, CPU, float32): forwards of a few tokens as one compiled loop
+    (specdec.models.cpu_decode); for drafts only, since its results differ from the PyTorch path's
+    in the last bits. Ignored elsewhere.
     """
     path = Path(path)
     if backend not in BACKENDS:
@@ -71,7 +75,7 @@ def load_model(
             path, device=device, dtype=dtype, num_slots=num_slots, max_context=max_context,
             kv_budget_bytes=kv_budget_bytes, name=name, head_token_ids=reduced_head(path, head_vocab),
             cuda_graphs=use_cuda_graphs(cuda_graphs, device), compile_layers=compile_layers,
-            graph_warmup_context=graph_warmup_context,
+            graph_warmup_context=graph_warmup_context, fused_decode=fused_decode,
         )
     if kv_budget_bytes is not None:
         raise InvalidArgument("kv_budget_bytes is supported by the native backend only; give num_slots")
