@@ -232,19 +232,35 @@ def test_sessions_of_a_refused_source_take_turns_to_probe():
     assert pricing.refuses("a")  # "a" ran no plain step since: its own refusal still runs
 
 
-def test_a_probe_that_pays_clears_the_source_for_new_sessions_and_the_waiting_ones_probe_in_turn():
-    steps, pricing = refused_source_with_two_waiting_sessions()
+def test_a_probe_that_pays_drafts_on_passes_the_probe_and_half_the_loads_worth_lift_the_verdict():
+    """One session drafting among plain ones says little of all of them drafting (their verify rows
+    widen every step): a probe that pays drafts on and hands the probe to the next session at once,
+    and only when half the refusal's load in probes have paid in a row, each drafting beside those
+    before it, do new sessions draft from their start again."""
+    steps, pricing = refused_source_with_two_waiting_sessions()  # refused under a load of 8
     assert steps.cycles("a", 1, every=2, accepted=4) == [4]  # 5 tokens in 2 steps: it pays
-    assert pricing.admit("early", steps.now) > 0  # but one cycle may be luck: the verdict stands
+    assert pricing.admit("early", steps.now) > 0  # but one cycle may be luck: "a" holds the probe on
     assert steps.cycles("a", 1, every=2, accepted=4) == [4]  # the second cycle confirms it
     assert not pricing.refuses("a")
-    assert pricing.admit("c", steps.now) == 0  # new sessions draft from their start
-    # "b" was refused while one session drafted among plain ones, which says little of all drafting:
-    # it still waits for its turn to end, then probes without waiting for anyone.
+    for prober in ("c", "d", "e"):  # 4 of a load of 8: "a" and these three
+        assert pricing.admit(prober, steps.now) == 0  # the probe is free: it probes from its start
+        assert pricing.admit(f"after-{prober}", steps.now) > 0  # the next one waits for its answer
+        assert steps.cycles(prober, 3, every=2, accepted=4) == [4, 4, 4]  # the clock, then two that pay
+    assert pricing.admit("f", steps.now) == 0 and pricing.admit("g", steps.now) == 0  # lifted: both draft
+    # "b", refused while the probes went on, waits out its own turn, then drafts.
     assert pricing.refuses("b")
     while pricing.refuses("b"):
         steps.run()
     assert steps.cycles("b", 1, every=2, accepted=4) == [4]
+
+
+def test_a_loss_between_paying_probes_starts_the_count_again():
+    steps, pricing = refused_source_with_two_waiting_sessions()
+    assert steps.cycles("a", 2, every=2, accepted=4) == [4, 4]  # a paying probe: 1 of the 4 needed
+    assert pricing.admit("c", steps.now) == 0
+    assert steps.cycles("c", 2, every=6, accepted=0) == [4, 4]  # its probe loses: refused, count reset
+    assert pricing.refuses("c") and pricing.refusals == 2
+    assert pricing.admit("d", steps.now) > 0
 
 
 def test_a_probe_that_never_answers_passes_the_turn_on():
