@@ -47,8 +47,8 @@ session gets no verdict, so its turn passes on at its first cycle.
 A verdict holds for a load: the sessions the losing cycle met, counting those whose StartSession
 is still queued for its prefill (`starting`, told by the service) and those prefilled whose first
 step has not come (`started`): no result shows them yet, but they are the next steps' rows. A
-session under a clearly lighter load (below `lighter` x the refusal's) may draft, and only a cycle
-that pays under at least that load clears the verdict. Without that, a probe that paid at a burst's
+session under a clearly lighter load (below `lighter` x the refusal's) may draft, and only cycles
+that pay under at least that load count towards lifting the verdict. Without that, a probe that paid at a burst's
 tail, with most sessions gone, or at its head, with most still prefilling, let every new session of
 the next burst draft, and each then lost two to seven cycles before its refusal (on the CPU at 16
 sessions, 44-62 losing cycles a burst; docs/BENCHMARKS.md, "Round 30").
@@ -98,7 +98,7 @@ class CycleWallPricing:
         self.refusals = 0  # sessions refused so far (a metric)
         self._steps = 0  # steps observed: the clock of the latest refusal's window for new sessions
         # Per draft source: (the step of its latest refusal, the plain steps it refused for, the load it
-        # holds for); absent once one of its cycles paid under that load. One window per source: a slow
+        # holds for); absent once enough probes paid under that load. One window per source: a slow
         # draft service's verdict must not hold back the new sessions of another.
         self._verdicts: dict[str, tuple[int, int, int]] = {}
         # Per refused source: probes that paid under its load since its latest refusal. One drafting
