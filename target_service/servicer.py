@@ -145,7 +145,8 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
     def _start_session(self, session_id: str, tokens: list[int], params, sample_first_token: bool,
                        drafts_elsewhere: bool, draft_source: str) -> tuple[int, int | None, int | None]:
         """On the model thread (the trimmer is confined to it): the prefill, then for a session that
-        will draft on a draft service, whether the cycle pricing refuses it from the start."""
+        will draft on a draft service, whether the cycle pricing refuses it from the start; and for
+        every session, that it is load the next steps will carry."""
         position, first = self.engine.start_session(session_id, tokens, params, sample_first_token)
         draft_limit = None
         if self.trimmer is not None:
