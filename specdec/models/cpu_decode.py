@@ -65,9 +65,10 @@ def _rms_norm_loop(x, weight, eps, out):  # pragma: no cover - compiled
             out[n, i] = x[n, i] * inv * weight[i]
 
 
-def _forward_loop(tokens, slots, positions, logit_rows, embed, attn_norm, wqkv, wo, mlp_norm, w_gate_up, w_down,
+def _forward_loop(tokens, slots, key_lens, logit_rows, embed, attn_norm, wqkv, wo, mlp_norm, w_gate_up, w_down,
                   final_norm, head, cos, sin, kv, eps, heads, kv_heads, hidden_out, logits_out):  # pragma: no cover
-    # tokens/slots/positions [N]; logit_rows [M] (indices into N); weights stacked per layer, [out, in];
+    # tokens/slots [N]; key_lens [N] (each token's position + 1, cpu_attention.query_layout); logit_rows [M]
+    # (indices into N); weights stacked per layer, [out, in];
     # kv [layers, 2, slots, KV, ctx + 1, D]; hidden_out [M, hidden]; logits_out [M, head rows].
     n_tokens, hidden = tokens.shape[0], embed.shape[1]
     dim = cos.shape[1]
@@ -83,13 +84,12 @@ def _forward_loop(tokens, slots, positions, logit_rows, embed, attn_norm, wqkv, 
     gate_up = np.empty((n_tokens, 2 * inter), dtype=np.float32)
     act = np.empty((n_tokens, inter), dtype=np.float32)
     scores = np.empty((heads // kv_heads, kv.shape[4]), dtype=np.float32)
-    key_lens = positions + 1
     scale = np.float32(dim ** -0.5)
     for layer in range(wqkv.shape[0]):
         _rms_norm(x, attn_norm[layer], eps, h)
         _linear(h, wqkv[layer], qkv, False)
         for n in range(n_tokens):
-            p = positions[n]
+            p = key_lens[n] - 1
             for head_index in range(heads + kv_heads):  # rotary: x * cos + roll(x, D / 2) * sign-folded sin
                 base = head_index * dim
                 for d in range(dim):
@@ -143,7 +143,7 @@ def _warm_up(forward) -> None:
     """Compile now, at model load, with the argument types of a real call."""
     f32 = np.float32
     ones = np.ones((1, 4), dtype=f32)
-    forward(np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64),
+    forward(np.zeros(1, np.int64), np.zeros(1, np.int64), np.ones(1, np.int64), np.zeros(1, np.int64),
             ones, ones, np.ones((1, 12, 4), f32), np.ones((1, 4, 4), f32), ones, np.ones((1, 8, 4), f32),
             np.ones((1, 4, 4), f32), np.ones(4, f32), ones, np.ones((2, 4), f32), np.ones((2, 4), f32),
             np.zeros((1, 2, 1, 1, 2, 4), f32), f32(1e-5), 1, 1, np.empty((1, 4), f32), np.empty((1, 1), f32))
@@ -159,12 +159,12 @@ class FusedDecode:
     def __init__(self, embed: torch.Tensor, layers: list[dict[str, torch.Tensor]], final_norm: torch.Tensor,
                  head: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, eps: float,
                  heads: int, kv_heads: int):
-        stack = lambda name: torch.stack([layer[name] for layer in layers]).float().contiguous().numpy()  # noqa: E731
+        stack = lambda name: torch.stack([layer[name] for layer in layers]).numpy()  # noqa: E731 - [layers, ...]
         self.attn_norm, self.wqkv, self.wo = stack("attn_norm"), stack("wqkv"), stack("wo")
         self.mlp_norm, self.w_gate_up, self.w_down = stack("mlp_norm"), stack("w_gate_up"), stack("w_down")
         self.embed, self.final_norm = embed.numpy(), final_norm.contiguous().numpy()
         self.head = head.contiguous().numpy()  # [head rows, hidden]
-        self.cos, self.sin, self.kv = cos.numpy(), sin.numpy(), kv.numpy()  # shared with the model: no copies
+        self.cos, self.sin, self.kv = cos.numpy(), sin.numpy(), kv.numpy()  # the model's own: no copies
         self.eps, self.heads, self.kv_heads = np.float32(eps), heads, kv_heads
 
     def forward_rows(self, slots: Sequence[int], rows: Sequence[Sequence[int]], starts: Sequence[int],
@@ -172,20 +172,19 @@ class FusedDecode:
         """LlamaModel._forward's contract: rows[i] appended to slots[i] (holding starts[i] tokens);
         the logits and final hidden of each row's last num_logits[i] tokens, rows in order."""
         tokens = np.fromiter((t for row in rows for t in row), dtype=np.int64, count=sum(lengths))
-        token_slots = np.repeat(np.asarray(slots, dtype=np.int64), lengths)
-        positions = np.concatenate([np.arange(s, s + n, dtype=np.int64) for s, n in zip(starts, lengths)])
+        token_slots, key_lens = cpu_attention.query_layout(slots, starts, lengths)
         ends = np.cumsum(lengths)
         logit_rows = np.concatenate([np.arange(end - k, end, dtype=np.int64) for end, k in zip(ends, num_logits)])
-        return self.forward(tokens, token_slots, positions, logit_rows)
+        return self.forward(tokens, token_slots, key_lens, logit_rows)
 
-    def forward(self, tokens: np.ndarray, slots: np.ndarray, positions: np.ndarray,
+    def forward(self, tokens: np.ndarray, slots: np.ndarray, key_lens: np.ndarray,
                 logit_rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Feed tokens[i] at positions[i] of slots[i] (rows packed one after another, each row's
-        tokens in order); returns (logits [M, head rows], final hidden [M, hidden]) of the tokens
+        """Feed tokens[i] at position key_lens[i] - 1 of slots[i] (rows packed one after another, each
+        row's tokens in order); returns (logits [M, head rows], final hidden [M, hidden]) of the tokens
         logit_rows names."""
         hidden = torch.empty(len(logit_rows), self.embed.shape[1])
         logits = torch.empty(len(logit_rows), self.head.shape[0])
-        _kernel()(tokens, slots, positions, logit_rows, self.embed, self.attn_norm, self.wqkv, self.wo,
+        _kernel()(tokens, slots, key_lens, logit_rows, self.embed, self.attn_norm, self.wqkv, self.wo,
                   self.mlp_norm, self.w_gate_up, self.w_down, self.final_norm, self.head, self.cos, self.sin,
                   self.kv, self.eps, self.heads, self.kv_heads, hidden.numpy(), logits.numpy())
         return logits, hidden
