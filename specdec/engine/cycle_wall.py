@@ -182,14 +182,15 @@ class CycleWallPricing:
         prefilled but not stepped yet, and those still waiting for their prefill."""
         horizon = 4 * (self._step_s + (self._gap_s or 0.0))
         recent = 0 if now is None else self.active_sessions(now, horizon)
-        return recent + self._waiting_to_step(now) + self.starting()
+        return recent + self._arriving(now)
 
-    def _waiting_to_step(self, now: float | None) -> int:
-        """Sessions started in the last JOIN_WINDOW_S whose first step has not come (older ones have
-        gone without a step, or their coordinator is elsewhere: forgotten)."""
-        while self._joined and (now is None or now - next(iter(self._joined.values())) > JOIN_WINDOW_S):
+    def _arriving(self, now: float | None) -> int:
+        """Sessions no result shows yet: started in the last JOIN_WINDOW_S without a step since (older
+        ones have gone without a step, or their coordinator is elsewhere: forgotten), and those still
+        waiting for their prefill."""
+        while self._joined and now is not None and now - next(iter(self._joined.values())) > JOIN_WINDOW_S:
             self._joined.popitem(last=False)
-        return len(self._joined)
+        return len(self._joined) + self.starting()
 
     def active_sessions(self, now: float, horizon_s: float) -> int:
         """Sessions with a result in the last horizon_s seconds (a session that ended stops counting).
@@ -238,8 +239,7 @@ class CycleWallPricing:
             elif isinstance(result, VerifyOutcome) and _drafted_elsewhere(work):
                 # The load this cycle met: the sessions with a result during it (this one's previous
                 # result included), at least the rows of this step, and those about to join.
-                active = max(self.active_sessions(ended, wall), len(works)) + self._waiting_to_step(ended) \
-                    + self.starting()
+                active = max(self.active_sessions(ended, wall), len(works)) + self._arriving(ended)
                 self._cycle(work.session_id, pace, result.num_accepted + 1, wall,
                             plain_step_s(active) if active > 1 else None, active)
             pace.last_result = ended
