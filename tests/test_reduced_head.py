@@ -104,3 +104,49 @@ def test_head_vocab_auto_takes_the_checkpoints_recommendation_on_cpu_only(dirs, 
     for bad in ("-1", "many"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_head_vocab(bad)
+
+
+def test_greedy_drafts_pick_the_full_vectors_argmax_while_the_context_grows_and_rolls_back(dirs, monkeypatch):
+    """A greedy row picks its token from the scored columns and the rows of its context kept between
+    proposals; the tokens and confidences must be those of the vocabulary-sized vector's argmax
+    (ties to the lowest id) with the rows gathered afresh, through growth and rollbacks."""
+    from specdec.proposers.draft_model import DraftModelProposer, _Drafting, _DraftSlot
+    from specdec.sampling.params import SamplingParams
+
+    order = dirs["order"]
+
+    def proposer(fast: bool) -> DraftModelProposer:
+        p = DraftModelProposer(load_model(dirs["draft"], num_slots=2, max_context=128, head_vocab=24), top_m=0)
+        if not fast:
+            monkeypatch.setattr(p, "_reduced_greedy", lambda d, scores: None)
+            monkeypatch.setattr(p, "_context_rows", lambda d: (lambda ids: None if ids is None else
+                                                                p.model.head_rows(ids))(p._context_ids(d)))
+        return p
+
+    fast, reference = proposer(True), proposer(False)
+    states = fast.open("s"), reference.open("s")
+    generator = torch.Generator().manual_seed(11)
+    sequence = torch.randint(0, 256, (20,), generator=generator).tolist()
+    grew = 0
+    for cycle in range(12):
+        blocks = [p.propose(s, sequence, 4, SamplingParams()) for p, s in zip((fast, reference), states)]
+        assert blocks[0].token_ids.tolist() == blocks[1].token_ids.tolist()
+        assert blocks[0].confidences == pytest.approx(blocks[1].confidences, rel=1e-6)
+        if cycle % 4 == 3:  # a rollback into the committed text: the context is rebuilt
+            sequence = sequence[:len(sequence) - 6]
+        else:  # two drafted tokens accepted and a token from outside the head, as a correction
+            before = len(states[0].context_ids)
+            sequence = sequence + blocks[0].token_ids[:2].tolist() + [order[100 + cycle]]
+            fast._context_ids(_Drafting(0, states[0], sequence, 1, SamplingParams()))
+            grew += len(states[0].context_ids) > before
+    assert grew and states[0].context_rows is not None
+
+    # A tie between a head column and a context column goes to the lower token id.
+    state = _DraftSlot("t")
+    low = order[100]
+    state.scored_ids = torch.cat((fast._head, torch.tensor([low])))
+    scores = torch.zeros(len(state.scored_ids))
+    scores[-1] = scores[0] = 5.0
+    want = min(low, int(fast._head[0]))
+    assert fast._reduced_greedy(_Drafting(0, state, [1], 1, SamplingParams()), scores) == want
+    assert want == int(torch.argmax(fast._full_vocab(scores, torch.tensor([low]))))

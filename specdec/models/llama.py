@@ -199,9 +199,12 @@ class LlamaModel:
         token_ids: Sequence[Sequence[int]],
         num_logits: Sequence[int] | None = None,
         extra_head_ids: Sequence[torch.Tensor | None] | None = None,
+        extra_head_rows: Sequence[torch.Tensor | None] | None = None,
     ) -> list[torch.Tensor]:
         """Logits [num_logits[i], head] per row. With a reduced head, extra_head_ids[i] (token ids
-        outside it, e.g. the session's own context) adds their scores as further columns, in order."""
+        outside it, e.g. the session's own context) adds their scores as further columns, in order;
+        extra_head_rows[i] does the same from those ids' head_rows(), for a caller that keeps them
+        between steps instead of gathering them from the embedding every step."""
         lengths = [len(row) for row in token_ids]
         num_logits = list(lengths if num_logits is None else num_logits)
         logits, hidden = self._forward(list(slots), token_ids, lengths, num_logits)  # [sum(num_logits), .]
@@ -209,20 +212,29 @@ class LlamaModel:
         # mask logits) get ordinary tensors. The copy is a few rows of the vocabulary.
         rows = list(logits.clone().split(num_logits))
         if extra_head_ids is not None:
-            rows = self._add_extra_head(rows, hidden.split(num_logits), extra_head_ids)
+            extra_head_rows = [None if ids is None or not len(ids) else self.head_rows(ids) for ids in extra_head_ids]
+        if extra_head_rows is not None:
+            rows = self._add_extra_head(rows, hidden.split(num_logits), extra_head_rows)
         return rows
 
     @torch.inference_mode()
-    def _add_extra_head(self, rows: list[torch.Tensor], hidden: Sequence[torch.Tensor],
-                        extra_head_ids: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+    def head_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The full output head's rows of these token ids [len(ids), hidden] (a copy): with a reduced
+        head, what scores them as extra columns (forward's extra_head_rows)."""
         source = self.weights.full_head
         if source is None:
-            raise InvalidArgument("extra_head_ids needs a reduced head (head_token_ids)")
+            raise InvalidArgument("extra head rows need a reduced head (head_token_ids)")
+        return source.index_select(0, ids.to(source.device))
+
+    @torch.inference_mode()
+    def _add_extra_head(self, rows: list[torch.Tensor], hidden: Sequence[torch.Tensor],
+                        extra_head_rows: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+        if self.weights.full_head is None:
+            raise InvalidArgument("extra head rows need a reduced head (head_token_ids)")
         out = []
-        for logits, h, ids in zip(rows, hidden, extra_head_ids):
-            if ids is not None and len(ids):
-                extra = F.linear(h, source.index_select(0, ids.to(source.device))).float()  # [n, len(ids)]
-                logits = torch.cat((logits, extra), dim=-1)
+        for logits, h, head_rows in zip(rows, hidden, extra_head_rows):
+            if head_rows is not None and len(head_rows):
+                logits = torch.cat((logits, F.linear(h, head_rows).float()), dim=-1)  # [n, head + extra]
             out.append(logits)
         return out
 

@@ -9,6 +9,7 @@ propose_batch drafts for many sessions together (the draft service's continuous 
 from __future__ import annotations
 
 import itertools
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Collection, Sequence
@@ -34,6 +35,11 @@ class _DraftSlot:
     context_ids: list[int] = field(default_factory=list)
     context_scanned: list[int] = field(default_factory=list)  # the sequence they were collected from
     context_tensor: torch.Tensor | None = None
+    # What scores them, kept between steps: their rows of the full head, and the ids of every column
+    # the draft scores (the head's, then these), so a greedy row picks its token without building
+    # a vocabulary-sized vector. Rebuilt with context_tensor, extended in place of regathered.
+    context_rows: torch.Tensor | None = None
+    scored_ids: torch.Tensor | None = None
     copy_index: CopyIndex | None = None  # with a CopyRule: the session's n-grams (copy_guess.py)
 
 
@@ -169,7 +175,9 @@ class DraftModelProposer:
             raise CacheFull("no free KV slot for an alternative branch; every slot holds a session")
         branch = _DraftSlot(f"{state.session_id}\x00branch{next(self._branch_ids)}")
         branch.context_ids, branch.context_scanned = list(state.context_ids), list(state.context_scanned)
-        branch.context_tensor = state.context_tensor  # replaced, never written in place
+        # replaced, never written in place
+        branch.context_tensor, branch.context_rows = state.context_tensor, state.context_rows
+        branch.scored_ids = state.scored_ids
         # branch.copy_index stays None: built from the branch's own sequence when first drafted.
         self._open[branch.session_id] = branch
         branch.slot = self.model.allocate()
@@ -183,7 +191,8 @@ class DraftModelProposer:
             self.model.free(state.slot)
         state.slot, branch.slot = branch.slot, None
         state.context_ids, state.context_scanned = branch.context_ids, branch.context_scanned
-        state.context_tensor = branch.context_tensor
+        state.context_tensor, state.context_rows = branch.context_tensor, branch.context_rows
+        state.scored_ids = branch.scored_ids
         self.close(branch)
 
     def _draft_round(self, pending: list[_Drafting], results: list) -> list[_Drafting]:
@@ -221,25 +230,48 @@ class DraftModelProposer:
                 if d.state.copy_index is None:
                     d.state.copy_index = CopyIndex(self.copy.ngram)
                 d.state.copy_index.sync(d.token_ids)
+        # A proposal's drafted tokens come from the scored columns, so its context stays as it starts.
+        context_rows = {d.index: self._context_rows(d) for d in rows} if self._head is not None else None
         for _ in range(max(d.num_tokens for d in rows)):
             active = [d for d in rows if len(d.drafted) < d.num_tokens]
             if not active:  # every row stopped early on its confidence
                 break
-            extra = [self._context_ids(d) for d in active] if self._head is not None else None
-            logits = self.model.forward([d.state.slot for d in active], [d.feed for d in active],
-                                        [1] * len(active), **({} if extra is None else {"extra_head_ids": extra}))
-            for i, (d, row_logits) in enumerate(zip(active, logits)):  # row_logits: [1, head (+ extra)]
-                position = len(d.token_ids) + len(d.drafted)
-                full = self._full_vocab(row_logits[-1], None if extra is None else extra[i])
-                token, ids, probs = sample_draft_token(full, d.params, position, self.top_m)
-                if d.num_ranked and not d.drafted:
-                    d.ranked = torch.topk(full, min(d.num_ranked, full.numel())).indices.tolist()
-                confidence = draft_confidence(row_logits[-1], token, ids, probs, d.params.greedy)
-                copied = self._copied(d, confidence if d.params.greedy else float(probs.max()))
-                if copied is not None:
-                    token, ids, probs, confidence = copied, torch.tensor([copied]), torch.tensor([1.0]), \
-                        self.copy.confidence
-                d.add(token, ids, probs, confidence)
+            extra = {} if context_rows is None else {"extra_head_rows": [context_rows[d.index] for d in active]}
+            logits = self.model.forward([d.state.slot for d in active], [d.feed for d in active], [1] * len(active),
+                                        **extra)
+            for d, row_logits in zip(active, logits):  # row_logits: [1, head (+ extra)]
+                self._draft_one(d, row_logits[-1])
+
+    def _draft_one(self, d: _Drafting, scores: torch.Tensor) -> None:
+        """Draft row d's next token from its scores (the head's columns, then its context's)."""
+        token = self._reduced_greedy(d, scores) if d.params.greedy and not d.num_ranked else None
+        if token is not None:  # a point mass: nothing to send, so no distribution to build
+            ids = probs = None
+        else:
+            full = self._full_vocab(scores, d.state.context_tensor)
+            token, ids, probs = sample_draft_token(full, d.params, len(d.token_ids) + len(d.drafted), self.top_m)
+            if d.num_ranked and not d.drafted:
+                d.ranked = torch.topk(full, min(d.num_ranked, full.numel())).indices.tolist()
+        confidence = draft_confidence(scores, token, ids, probs, d.params.greedy)
+        copied = self._copied(d, confidence if d.params.greedy else float(probs.max()))
+        if copied is not None:
+            token, ids, probs, confidence = copied, torch.tensor([copied]), torch.tensor([1.0]), self.copy.confidence
+        d.add(token, ids, probs, confidence)
+
+    def _reduced_greedy(self, d: _Drafting, scores: torch.Tensor) -> int | None:
+        """The greedy token over a reduced head's columns: what torch.argmax over _full_vocab's
+        vector picks (ties to the lowest token id), without building it. None: a full head, or
+        scores that are not finite (left to the general path)."""
+        if self._head is None:
+            return None
+        column = int(torch.argmax(scores))
+        best = scores[column]
+        if not math.isfinite(float(best)):
+            return None
+        scored = d.state.scored_ids if d.state.scored_ids is not None else self._head
+        if int(torch.count_nonzero(scores == best)) > 1:  # columns are not in id order
+            return int(scored[scores == best].min())
+        return int(scored[column])
 
     def _copied(self, d: _Drafting, top_probability: float) -> int | None:
         if self.copy is None:
@@ -265,6 +297,7 @@ class DraftModelProposer:
         scanned = len(state.context_scanned)
         if len(tokens) < scanned or list(tokens[:scanned]) != state.context_scanned:
             state.context_ids, state.context_scanned, state.context_tensor, scanned = [], [], None, 0
+            state.context_rows = state.scored_ids = None
         if scanned < len(tokens):
             seen = set(state.context_ids)
             for token in tokens[scanned:]:
@@ -277,6 +310,23 @@ class DraftModelProposer:
         if state.context_tensor is None and state.context_ids:
             state.context_tensor = torch.tensor(state.context_ids, dtype=torch.long)
         return state.context_tensor
+
+    def _context_rows(self, d: _Drafting) -> torch.Tensor | None:
+        """The head rows of _context_ids(d), gathered only for ids the state has not gathered yet
+        (the context grows by a few tokens a cycle; regathering hundreds of rows every step cost
+        more than the head's product with them). Sets state.scored_ids to match."""
+        state = d.state
+        ids = self._context_ids(d)
+        have = 0 if state.context_rows is None else len(state.context_rows)
+        if ids is None:
+            state.context_rows = state.scored_ids = None
+        elif state.context_rows is None:  # first use, or the context was reset (_context_ids)
+            state.context_rows = self.model.head_rows(ids)
+            state.scored_ids = torch.cat((self._head, ids))
+        elif have < len(ids):
+            state.context_rows = torch.cat((state.context_rows, self.model.head_rows(ids[have:])))
+            state.scored_ids = torch.cat((self._head, ids))
+        return state.context_rows
 
     def _ensure_slot(self, state: _DraftSlot, busy: Collection[str] = ()) -> int:
         self._open.move_to_end(state.session_id)
