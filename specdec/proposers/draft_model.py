@@ -37,7 +37,7 @@ class _DraftSlot:
     context_tensor: torch.Tensor | None = None
     # What scores them, kept between steps: their rows of the full head, and the ids of every column
     # the draft scores (the head's, then these), so a greedy row picks its token without building
-    # a vocabulary-sized vector. Rebuilt with context_tensor, extended in place of regathered.
+    # a vocabulary-sized vector. Dropped when the context is rebuilt; extended, not regathered, as it grows.
     context_rows: torch.Tensor | None = None
     scored_ids: torch.Tensor | None = None
     copy_index: CopyIndex | None = None  # with a CopyRule: the session's n-grams (copy_guess.py)
@@ -175,7 +175,7 @@ class DraftModelProposer:
             raise CacheFull("no free KV slot for an alternative branch; every slot holds a session")
         branch = _DraftSlot(f"{state.session_id}\x00branch{next(self._branch_ids)}")
         branch.context_ids, branch.context_scanned = list(state.context_ids), list(state.context_scanned)
-        # replaced, never written in place
+        # Shared with the parent: these are replaced when they change, never written in place.
         branch.context_tensor, branch.context_rows = state.context_tensor, state.context_rows
         branch.scored_ids = state.scored_ids
         # branch.copy_index stays None: built from the branch's own sequence when first drafted.
