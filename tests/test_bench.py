@@ -223,7 +223,7 @@ def test_k_policy_names_every_fixed_length_and_the_server_policy():
 
 
 def test_method_choice_reports_what_is_not_built_or_lacks_a_draft():
-    from specdec.bench.methods import base_name, choose_methods, is_pipelined, is_service, proposer_of
+    from specdec.bench.methods import SPECULATIVE, base_name, choose_methods, is_pipelined, is_service, proposer_of
 
     run, skipped = choose_methods(None, have_draft=False)
     assert "specdec-ngram" in run and "specdec-draft" not in run and "hf-assisted" not in run
@@ -236,6 +236,9 @@ def test_method_choice_reports_what_is_not_built_or_lacks_a_draft():
     assert proposer_of("specdec-replay-0.8-pipelined") == "replay-0.8"
     assert "plain-calls" not in choose_methods(None, have_draft=True)[0]  # a diagnostic: opt-in
     assert choose_methods(["plain-calls", "plain"], have_draft=False)[0] == ["plain", "plain-calls"]
+    assert "plain-again" not in choose_methods(None, have_draft=True)[0]  # the A/A control: opt-in
+    assert choose_methods(["plain-again", "plain"], have_draft=False)[0] == ["plain", "plain-again"]
+    assert is_service("plain-again") and "plain-again" not in SPECULATIVE
     run, _ = choose_methods(["plain", "specdec-draft"], have_draft=True, replay_alphas=(0.8,))
     assert run == ["plain", "specdec-draft", "specdec-replay-0.8"]
     assert proposer_of("specdec-replay-0.8") == "replay-0.8" and proposer_of("specdec-draft@server") == "draft-model"

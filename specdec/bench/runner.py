@@ -140,7 +140,7 @@ class Bench:
         for name in self.methods:
             k = 0 if self.server_only else (fixed_k_of(name, c.num_draft_tokens) or 0)  # 0: the coordinator chooses
             if name in PLAIN_SERVICE_METHODS:
-                coordinator = coordinators["baseline" if name == "plain" else "baseline-calls"]
+                coordinator = coordinators["baseline-calls" if name == "plain-calls" else "baseline"]
                 out[name] = ServiceMethod(name, coordinator, "baseline", 0, c.ignore_eos)
             elif is_service(name):
                 # A sequential method's requests leave pipelining to the coordinator (its default,
