@@ -19,7 +19,7 @@ from specdec.bench.prompts import Prompt
 CATALOG: dict[str, str] = {
     "plain": "target alone through the services: the coordinator's baseline pool (gRPC, Redis)",
     "plain-calls": "plain, one Decode call per token (--plain-decoding calls; the default streams each run)",
-    "plain-again": "plain a second time, in a rotation slot of its own: an A/A control, how far two identical pools differ",
+    "plain-again": "plain again, in a rotation slot of its own: an A/A control (how far identical pools differ)",
     "plain-inproc": "target alone, the same engine in the benchmark's process (no RPC)",
     "hf-greedy": "Hugging Face generate, greedy, transformers eager, the run's device and dtype (the peers' baseline)",
     "hf-assisted": "Hugging Face generate(assistant_model=draft), the same pair in one process",
@@ -36,7 +36,8 @@ CATALOG: dict[str, str] = {
     "specdec-draft-pipelined3": "pipelined, draft model, 3 branches: also all but the last token accepted",
 }
 NOT_BUILT: dict[str, str] = {}
-OPT_IN = ("plain-calls", "plain-again", "specdec-ngram-local", "specdec-ngram-target", "specdec-draft-target")  # run when named
+# run when named
+OPT_IN = ("plain-calls", "plain-again", "specdec-ngram-local", "specdec-ngram-target", "specdec-draft-target")
 NEEDS_DRAFT = ("hf-assisted", "specdec-draft", "specdec-draft-target", "specdec-draft-pipelined",
                "specdec-draft-pipelined2", "specdec-draft-pipelined3")
 PLAIN_SERVICE_METHODS = ("plain", "plain-calls", "plain-again")
