@@ -434,6 +434,33 @@ def test_concurrency_ratios_are_reported_per_round():
     assert _rounds(m) == "  rounds 0.50-1.00, median 0.75"
 
 
+def test_throughput_while_every_worker_is_busy_leaves_out_a_rounds_tail():
+    """A round is a finite batch: unequal requests leave workers idle at its end. The report gives the
+    throughput up to the last request's start beside the whole round's, and the mean occupancy."""
+    from specdec.bench.report import concurrency_report
+
+    def request(method, start, seconds):  # 11 tokens: the first at start + 1 s, the rest evenly after
+        return RequestResult(method, "q", "c", list(range(11)), 3, 1.0, seconds, start_s=start,
+                             phase="concurrency", concurrency=2, round=0)
+
+    # Two workers, three requests each. Plain: lockstep, 10 s each. Speculative: 6 s and 14 s pairs.
+    plain = [request("plain", t, 10.0) for t in (0.0, 0.0, 10.0, 10.0, 20.0, 20.0)]
+    spec = [request("specdec-draft", 0.0, 6.0), request("specdec-draft", 0.0, 14.0), request("specdec-draft", 6.0, 6.0),
+            request("specdec-draft", 12.0, 6.0), request("specdec-draft", 14.0, 6.0), request("specdec-draft", 18.0, 6.0)]
+    table = concurrency_report(plain + spec, ["plain", "specdec-draft"])["2"]
+    assert table["plain"]["mean_occupancy"] == pytest.approx(2.0)
+    assert table["specdec-draft"]["mean_occupancy"] == pytest.approx(44 / 24)  # its last request runs alone
+    # Plain, up to its last start at 20 s: four requests whole; the last two's first tokens come at 21 s.
+    assert table["plain"]["full_occupancy_tokens_per_s"] == pytest.approx(44 / 20)
+    # Speculative, up to 18 s: four requests whole, 1 + 10 * 3/5 of the one from 14 s to 20 s, nothing
+    # of the one started at 18 s.
+    assert table["specdec-draft"]["full_occupancy_tokens_per_s"] == pytest.approx(51 / 18)
+    assert table["specdec-draft"]["full_occupancy_vs_plain"] == pytest.approx((51 / 18) / (44 / 20))
+    # One wave (every request started at once) has no such window.
+    one_wave = concurrency_report([request("plain", 0.0, 10.0), request("plain", 0.0, 10.0)], ["plain"])["2"]
+    assert one_wave["plain"]["full_occupancy_tokens_per_s"] is None
+
+
 def test_overhead_parts_are_split_only_where_every_call_lay_on_the_cycles_path():
     """A pipelined Propose's round trip runs beside the verify: counted in the calls, it made the
     coordinator's part negative, so methods with pipelined cycles get the overhead but no split."""

@@ -22,6 +22,13 @@ def _rounds(m: dict) -> str:
     return f"  rounds {min(ratios):.2f}-{max(ratios):.2f}, median {statistics.median(ratios):.2f}"
 
 
+def _full(m: dict) -> str:
+    """The ratio to plain decoding while every client worker was busy (report._while_full), where the
+    level refilled its workers (more requests than sessions)."""
+    ratio = m.get("full_occupancy_vs_plain")
+    return "" if ratio is None else f"; all workers busy {ratio:.2f} (occupancy {m['mean_occupancy']:.2f})"
+
+
 def sections(results: list[RequestResult], times: list[StepTimes], methods: list[str], fixed_k: int | None,
              notes: dict) -> dict:
     """Every computed section of the report, from the raw requests and engine timings."""
@@ -171,7 +178,7 @@ def tables(report: dict) -> str:
                 tpot = f"{_f(m['tpot_p50_s'], '{:.1f}', 1e3)}/{_f(m['tpot_p99_s'], '{:.1f}', 1e3)}"
                 lines.append(f"{level:<9} {name:<22} {_f(m['tokens_per_s'], '{:.1f}'):>7} "
                              f"{_f(m.get('throughput_vs_plain')):>8} {tpot:>16} {_f(m['ttft_p50_s'], '{:.0f}', 1e3):>7}ms"
-                             f" {_overhead(m):>14} {_batches(m):>28}{_rounds(m)}")
+                             f" {_overhead(m):>14} {_batches(m):>28}{_rounds(m)}{_full(m)}")
     if report.get("netem"):
         lines.append("")
         lines.append(f"network delay ({report['netem']['network']['mode']}), batch 1:")

@@ -236,12 +236,16 @@ def concurrency_report(results: list[RequestResult], methods: list[str]) -> dict
             rows = [r for r in results if r.concurrency == level and r.method == name]
             if not rows:
                 continue
-            walls = []
+            walls, busy_s, full = [], 0.0, [0.0, 0.0]
             for rnd in sorted({r.round for r in rows}):
                 group = [r for r in rows if r.round == rnd]
                 walls.append(max(r.start_s + r.e2e_s for r in group) - min(r.start_s for r in group))
                 by_round.setdefault(name, {})[rnd] = sum(r.num_tokens for r in group) / walls[-1]
+                busy_s += sum(r.e2e_s for r in group)
+                full = [a + b for a, b in zip(full, _while_full(group))]
             table[name] = group_metrics(rows, wall_s=sum(walls))
+            table[name]["mean_occupancy"] = busy_s / sum(walls) if sum(walls) > 0 else None
+            table[name]["full_occupancy_tokens_per_s"] = full[0] / full[1] if full[1] > 0 else None
         plain = table.get(DEFAULT_REFERENCE)
         for name, m in table.items():
             if plain and name != DEFAULT_REFERENCE:
@@ -251,8 +255,30 @@ def concurrency_report(results: list[RequestResult], methods: list[str]) -> dict
                 rounds = sorted(set(by_round[name]) & set(by_round[DEFAULT_REFERENCE]))
                 m["throughput_vs_plain_by_round"] = [by_round[name][r] / by_round[DEFAULT_REFERENCE][r]
                                                      for r in rounds]
+                if m["full_occupancy_tokens_per_s"] and plain["full_occupancy_tokens_per_s"]:
+                    m["full_occupancy_vs_plain"] = m["full_occupancy_tokens_per_s"] / plain["full_occupancy_tokens_per_s"]
         out[str(level)] = table
     return out
+
+
+def _while_full(group: list[RequestResult]) -> tuple[float, float]:
+    """(tokens, seconds) of a round while every client worker was busy: from its start to its last
+    request's start, each request's tokens after its first spread evenly up to its end. A round is a
+    finite batch: plain requests of one length end together, speculative ones of unequal speed leave
+    workers idle at its tail, which a server under a steady stream of requests does not see; this is
+    the throughput without that tail (the whole round's stays the headline figure)."""
+    start = min(r.start_s for r in group)
+    window = max(r.start_s for r in group) - start
+    if window <= 0:  # one wave: every request started at once, so the round is its tail
+        return 0.0, 0.0
+    tokens = 0.0
+    for r in group:
+        first, end = r.start_s - start + r.ttft_s, r.start_s - start + r.e2e_s
+        if first <= window:
+            tokens += 1
+            if end > first:
+                tokens += (r.num_tokens - 1) * (min(end, window) - first) / (end - first)
+    return tokens, window
 
 
 def goals(batch1: dict, concurrency: dict, floor: dict | None = None) -> dict:
