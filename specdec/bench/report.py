@@ -236,16 +236,17 @@ def concurrency_report(results: list[RequestResult], methods: list[str]) -> dict
             rows = [r for r in results if r.concurrency == level and r.method == name]
             if not rows:
                 continue
-            walls, busy_s, full = [], 0.0, [0.0, 0.0]
+            walls, full_tokens, full_s = [], 0.0, 0.0
             for rnd in sorted({r.round for r in rows}):
                 group = [r for r in rows if r.round == rnd]
                 walls.append(max(r.start_s + r.e2e_s for r in group) - min(r.start_s for r in group))
                 by_round.setdefault(name, {})[rnd] = sum(r.num_tokens for r in group) / walls[-1]
-                busy_s += sum(r.e2e_s for r in group)
-                full = [a + b for a, b in zip(full, _while_full(group))]
-            table[name] = group_metrics(rows, wall_s=sum(walls))
-            table[name]["mean_occupancy"] = busy_s / sum(walls) if sum(walls) > 0 else None
-            table[name]["full_occupancy_tokens_per_s"] = full[0] / full[1] if full[1] > 0 else None
+                tokens, seconds = _while_full(group)
+                full_tokens, full_s = full_tokens + tokens, full_s + seconds
+            wall = sum(walls)
+            table[name] = group_metrics(rows, wall_s=wall)
+            table[name]["mean_occupancy"] = sum(r.e2e_s for r in rows) / wall if wall > 0 else None
+            table[name]["full_occupancy_tokens_per_s"] = full_tokens / full_s if full_s > 0 else None
         plain = table.get(DEFAULT_REFERENCE)
         for name, m in table.items():
             if plain and name != DEFAULT_REFERENCE:
