@@ -30,10 +30,6 @@ acceptance, the others as they are). A coordinator whose session speculates no l
 that is 0: under load every probe cost its session a draft round trip and the batch a longer step
 for nothing, and at 4 sessions on a CPU those probes were most of speculation's loss to plain decoding.
 
-A draft that comes with its confidences (the draft model the target hosts) is priced per token by
-them instead of by its session's acceptance alone (confident_drafts.py): the sure tokens of a draft
-pay where its session's average would not.
-
 What a step cost cannot show, the round trips of a session drafting on a draft service, is priced
 per session over its whole cycle by cycle_wall.py; a session it refuses has its drafts cut to nothing
 and a draft_limit of 0, whatever the step's goodput.
@@ -48,7 +44,6 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from specdec.engine.batch import DecodeWork, Result, VerifyWork, Work, run_target_batch
-from specdec.engine.confident_drafts import ConfidencePricing
 from specdec.engine.cycle_wall import CycleWallPricing
 from specdec.engine.step_plan import RowSpec, packed_plan, padded_width
 from specdec.engine.target import TargetEngine
@@ -125,15 +120,10 @@ class DraftTrimmer:
         # cost shows: cycle_wall.py prices the whole cycle and refuses sessions whose cycles lose.
         self.cycle_wall = CycleWallPricing(margin=margin, max_sessions=max_sessions) if price_cycles else None
         self.cost = StepCost()
-        self.confidence = ConfidencePricing(max_sessions)  # per-token pricing of drafts with confidences
         # Seconds per step of the draft model the target hosts (specdec.engine.inner_draft), averaged
         # over its draft passes; None until one ran. A step whose rows draft there runs width - 1 such
         # steps on the same thread before its forward: part of what widening the step costs.
         self.draft_step_s: float | None = None
-        # The same against the rows a pass drafts: the draft's step grows with them as the target's
-        # does (one CPU core: 0.7 ms for one row, 6.9 ms for sixteen), so a pass of many rows priced
-        # at a lone row's step made drafting at 16 sessions look cheap.
-        self.draft_cost = StepCost()
         self.trimmed_tokens = 0  # drafted tokens left unverified so far (a metric)
         self._sessions: OrderedDict[str, _Acceptance] = OrderedDict()  # least recently seen first
         # Session -> drafted tokens the last step would have verified for its plain row (see the
@@ -165,13 +155,11 @@ class DraftTrimmer:
             # Nothing known but the refusals: the coordinators probe as they see fit.
             self.draft_limits = {works[i].session_id: 0 for i in refused if isinstance(works[i], DecodeWork)}
             return [0 if i in refused else _base_and_draft(w)[1] for i, w in enumerate(works)]
-        alpha, beta = fit
-        # A drafted token pays above this chance of acceptance, about (its compute at plain decoding's goodput).
-        break_even = beta * len(works) / (alpha + beta * sum(_base_and_draft(w)[0] for w in works))
-        rows = [self._row(w, break_even) for w in works]
+        rows = [RowSpec(*_base_and_draft(w), self.acceptance(w.session_id)) for w in works]
         rows = [dataclasses.replace(r, draft=0) if i in refused else r for i, r in enumerate(rows)]
+        alpha, beta = fit
         if self.packed:
-            return self._plan_packed(works, rows, refused, alpha, beta, drafting_here, break_even)
+            return self._plan_packed(works, rows, refused, alpha, beta, drafting_here)
         widest = max(max(r.base + r.draft for r in rows), 1 + ADMISSION_PROBE_TOKENS)
         totals = [0.0] * (widest + 1)  # the rows' expected tokens by step width
         for row in rows:
@@ -180,7 +168,7 @@ class DraftTrimmer:
         bases = sorted((r.base for r in rows), reverse=True)
         # The hosted draft's passes: width - 1 draft steps before the forward, for rows drafting here
         # (and for the plain rows' probes, once this target has drafted: its sessions draft here).
-        step = self.draft_pass_s(sum(1 for w in works if _drafts_here(w) or self.confidence.is_confident(w.session_id)))
+        step = self.draft_step_s or 0.0
         drafting = [max(0, width - 1) * step for width in range(widest + 1)]
         width = padded_width(len(rows), bases[0], totals, alpha, beta, self.margin,
                              drafting if drafting_here else None)
@@ -198,61 +186,25 @@ class DraftTrimmer:
         return [max(0, min(row.draft, width - row.base)) for row in rows]
 
     def _plan_packed(self, works: Sequence[Work], rows: list[RowSpec], refused: set[int], alpha: float,
-                     beta: float, drafting_here: bool, break_even: float) -> list[int]:
+                     beta: float, drafting_here: bool) -> list[int]:
         """plan() for a backend whose step costs the tokens it feeds (step_plan.py); a plain row's
         limit is what its probe would keep in the planned step (the hosted draft's passes priced, as
         in plan(), once this target has drafted)."""
-        step = self.draft_pass_s(sum(1 for w in works if _drafts_here(w)))
+        step = self.draft_step_s or 0.0
         planned = packed_plan(rows, alpha, beta, self.margin, step if drafting_here else 0.0)
-        limits = {
-            work.session_id: 0 if index in refused else planned.limit(self.acceptance(work.session_id),
-                                                                      ADMISSION_PROBE_TOKENS, beta, self.margin, step)
+        self.draft_limits = {
+            work.session_id: 0 if index in refused else planned.limit(rows[index].acceptance, ADMISSION_PROBE_TOKENS,
+                                                                      beta, self.margin, step)
             for index, work in enumerate(works) if isinstance(work, DecodeWork)
         }
-        # The plain rows whose sessions draft here would all draft next step, sharing its draft passes,
-        # which one row alone would pay whole (at 16 CPU sessions a pass costs about a verified token):
-        # they are told what the plan with all of them drafting keeps of each.
-        expected = self.confidence.expected_draft(ADMISSION_PROBE_TOKENS, break_even)
-        hosted = [i for i, w in enumerate(works) if isinstance(w, DecodeWork) and i not in refused
-                  and expected is not None and self.confidence.is_confident(w.session_id)]
-        if hosted:
-            probe = RowSpec(1, ADMISSION_PROBE_TOKENS, 0.0, *expected)
-            joint = packed_plan([probe if i in hosted else row for i, row in enumerate(rows)], alpha, beta, self.margin,
-                                self.draft_pass_s(len(hosted) + sum(1 for w in works if _drafts_here(w))))
-            limits.update({works[i].session_id: joint.kept[i] for i in hosted})
-        self.draft_limits = limits
         return planned.kept
 
-    def _row(self, work: Work, break_even: float) -> RowSpec:
-        """The work as planned: a verified draft with confidences priced per token by them; a draft
-        still to be made here (with confidences, once made) at what its sure tokens are expected to
-        gain and cost (confident_drafts.py)."""
-        base, draft = _base_and_draft(work)
-        acceptance = self.acceptance(work.session_id)
-        if isinstance(work, VerifyWork):
-            return RowSpec(base, draft, acceptance, self.confidence.survival(work.draft))
-        if _drafts_here(work) and draft:
-            self.confidence.drafts_with_confidences(work.session_id)
-            expected = self.confidence.expected_draft(draft, break_even)
-            if expected is not None:
-                return RowSpec(base, draft, acceptance, *expected)
-        return RowSpec(base, draft, acceptance)
-
-    def observe_draft(self, steps: int, seconds: float, decay: float = 0.9, rows: int = 1) -> None:
-        """A draft pass of the hosted draft model: `steps` draft steps (over all its `rows`) in `seconds`."""
+    def observe_draft(self, steps: int, seconds: float, decay: float = 0.9) -> None:
+        """A draft pass of the hosted draft model: `steps` draft steps (over all its rows) in `seconds`."""
         if steps > 0:
             per_step = seconds / steps
             self.draft_step_s = per_step if self.draft_step_s is None else \
                 decay * self.draft_step_s + (1 - decay) * per_step
-            self.draft_cost.observe(rows, per_step)
-
-    def draft_pass_s(self, rows: int) -> float:
-        """Seconds of one draft step of the hosted draft model over `rows` rows: from the fit once
-        passes of different sizes were seen, else the average step (0 before any pass)."""
-        fit = self.draft_cost.fit()
-        if fit is None:
-            return self.draft_step_s or 0.0
-        return fit[0] + fit[1] * max(1, rows)
 
     def admit_drafting_elsewhere(self, session_id: str, now: float, source: str = "") -> int | None:
         """A new session whose drafts will come from a draft service (`source`): 0 if the cycle pricing
@@ -289,7 +241,6 @@ class DraftTrimmer:
             self.cycle_wall.observe(works, results, started, started + seconds, self.plain_step_s)
         for work, result in zip(works, results):
             if isinstance(work, VerifyWork) and isinstance(result, VerifyOutcome) and result.num_drafted:
-                self.confidence.observe(work.session_id, work.draft, result)
                 stats = self._stats(work.session_id)
                 rejected = 1 if result.num_accepted < result.num_drafted else 0
                 stats.accepted = self.decay * stats.accepted + result.num_accepted
@@ -309,11 +260,6 @@ class DraftTrimmer:
                 self._sessions.popitem(last=False)
         self._sessions.move_to_end(session_id)
         return stats
-
-
-def _drafts_here(work) -> bool:
-    """A row still to be drafted by the draft model this target hosts (inner_draft.InnerDraftWork)."""
-    return not isinstance(work, (VerifyWork, DecodeWork))
 
 
 def _base_and_draft(work) -> tuple[int, int]:

@@ -69,7 +69,7 @@ class _Drafting:
         self._verified: tuple[DraftBlock, bool] | None = None  # (block, steady) of the step just run
 
     def _remember(self, asked: int, planned: int, block: DraftBlock, outcome: VerifyOutcome, steady: bool) -> None:
-        self.length.kept(asked, planned, block.num_tokens, outcome, by_confidence=bool(block.confidences))
+        self.length.kept(asked, planned, block.num_tokens, outcome)
         self._verified = (block, steady)
 
     def stepped(self, step: StreamStep) -> None:
@@ -202,12 +202,9 @@ def run_inner_step(target: TargetEngine, trimmer: DraftTrimmer | None, drafts: D
             failed[i] = exc
     drafting_started = time.perf_counter_ns()
     proposed = run_propose_batch(drafts, [p for _, p in proposes])
-    # What a draft step costs here, for the next steps' plans: from passes whose rows only drafted (a
-    # row catching up on tokens committed while it decoded plainly runs a longer forward first; one
-    # such pass, priced as draft steps, made every later plan at 16 CPU sessions too dear to draft).
-    if trimmer is not None and all(len(p.append_token_ids) <= 1 for _, p in proposes):
+    if trimmer is not None:  # what a draft step costs here, for the next steps' plans
         trimmer.observe_draft(max((p.num_draft_tokens for _, p in proposes), default=0),
-                              (time.perf_counter_ns() - drafting_started) * 1e-9, rows=len(proposes))
+                              (time.perf_counter_ns() - drafting_started) * 1e-9)
     for (i, _), result in zip(proposes, proposed):
         if isinstance(result, Exception):
             failed[i] = result

@@ -36,16 +36,10 @@ class DraftLength:
         """The rule's own choice before the trimming's cap: here, always the requested length."""
         return self.max_tokens, 0.0
 
-    def kept(self, asked: int, planned: int, drafted: int, outcome: VerifyOutcome, by_confidence: bool = False) -> None:
+    def kept(self, asked: int, planned: int, drafted: int, outcome: VerifyOutcome) -> None:
         """A step verified a draft: asked for `asked` tokens, planned `planned` by the trimmer before
         drafting, drafted `drafted`; the outcome tells what the trimmer kept after drafting. A trimmed
-        length is the next draft's limit (a draft model's confidence stop is not a trim).
-        by_confidence: the trimmer priced the drafted tokens by their own confidences
-        (engine.confident_drafts), so a cut after drafting says those tokens were unsure, not that
-        the next draft will be: only the plan's cut before drafting limits it."""
-        if by_confidence:
-            self._kept = planned if planned < asked else None
-            return
+        length is the next draft's limit (a draft model's confidence stop is not a trim)."""
         trimmed = planned < asked or outcome.num_drafted < drafted
         self._kept = outcome.num_drafted if trimmed else None
 

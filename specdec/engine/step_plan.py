@@ -25,35 +25,21 @@ from typing import Sequence
 
 @dataclass(frozen=True)
 class RowSpec:
-    """A row of a step as planned: its width without drafted tokens, the most it may draft, its
-    session's acceptance rate, and, where the draft is priced by its confidences (confident_drafts.py),
-    each drafted token's expected gain (survival: the chance that it and every drafted token before
-    it are accepted) and, for a draft not made yet, the chance that it will be verified at all
-    (verified: the trim after drafting keeps only the sure tokens). Without survival, token j gains
-    acceptance ** j; without verified, it is verified. survival / verified falls along the row."""
+    """A row of a step as planned: its width without drafted tokens, the most it may draft, and its
+    session's acceptance rate."""
 
     base: int
     draft: int
     acceptance: float
-    survival: tuple[float, ...] = ()
-    verified: tuple[float, ...] = ()
-
-    def token_cost(self, j: int) -> float:
-        """The share of a verified token's compute that the row's j-th drafted token (from 1) costs."""
-        return self.verified[j - 1] if self.verified else 1.0
-
-    def token_gain(self, j: int) -> float:
-        """Expected tokens the row's j-th drafted token (from 1) adds: the chance it is accepted with
-        all before it."""
-        return self.survival[j - 1] if self.survival else self.acceptance ** j
 
     def gains(self, widest: int) -> list[float]:
-        """Expected tokens the row commits in a padded step of each width 0..widest: 1 + a + ... + a^d
-        (or the survivals' sum), with d the drafted tokens that fit."""
-        out, gain = [], 1.0
+        """Expected tokens the row commits in a padded step of each width 0..widest: 1 + a + ... + a^d,
+        with d the drafted tokens that fit."""
+        out, gain, term = [], 1.0, 1.0
         for width in range(widest + 1):
             if self.base < width <= self.base + self.draft:  # one more drafted token fits
-                gain += self.token_gain(width - self.base)
+                term *= self.acceptance
+                gain += term
             out.append(gain)
         return out
 
@@ -115,25 +101,24 @@ def packed_plan(rows: Sequence[RowSpec], alpha: float, beta: float, margin: floa
     best plan beats it by the margin).
 
     For a given longest kept draft (the hosted draft model's passes cost draft_step_s each, on the
-    same thread first), the best set is greedy: a row's j-th drafted token gains a^j (or its
-    survival) for beta (times its share verified), a ratio no higher than its (j-1)-th's, so taking
-    tokens by falling ratio keeps every row's tokens a prefix, and a token raises gain / cost exactly
-    when its ratio exceeds the goodput so far (which only rises as tokens are taken): the first one
-    that does not ends the plan."""
+    same thread first), the best set is greedy: a row's j-th drafted token gains a^j, less than its
+    (j-1)-th, so taking tokens by falling gain keeps every row's tokens a prefix, and a token raises
+    gain / cost exactly when its gain exceeds beta times the goodput so far (which only rises as
+    tokens are taken): the first one that does not ends the plan."""
     plain_gain, plain_cost = float(len(rows)), alpha + beta * sum(r.base for r in rows)
     plain = PackedPlan([0] * len(rows), plain_gain, plain_cost, plain_gain, plain_cost)
-    candidates = sorted(((r.token_gain(j), r.token_cost(j), j, i) for i, r in enumerate(rows)
-                         for j in range(1, r.draft + 1)), key=lambda c: (-c[0] / max(c[1], 1e-12), c[2]))
+    candidates = sorted(((r.acceptance ** j, j, i) for i, r in enumerate(rows) for j in range(1, r.draft + 1)),
+                        key=lambda c: (-c[0], c[1]))
     longest = max((r.draft for r in rows), default=0)
     best = plain
     for cap in range(1, longest + 1) if draft_step_s > 0 else [longest]:
         keep, gain, cost = [0] * len(rows), plain_gain, plain_cost + cap * draft_step_s
-        for token_gain, token_cost, j, i in candidates:
+        for token_gain, j, i in candidates:
             if j > cap:
                 continue
-            if token_gain * cost <= beta * token_cost * gain:
+            if token_gain * cost <= beta * gain:
                 break
-            keep[i], gain, cost = j, gain + token_gain, cost + beta * token_cost
+            keep[i], gain, cost = j, gain + token_gain, cost + beta
         if gain / cost > best.goodput:
             best = PackedPlan(keep, gain, cost, plain_gain, plain_cost)
     if best.goodput < (1.0 + margin) * plain.goodput:
