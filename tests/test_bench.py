@@ -414,6 +414,16 @@ def test_the_catch_up_script_runs_on_a_cpu(tmp_path):
     assert done.stdout.count("catch-up") == 13
 
 
+def test_the_draft_rows_script_runs(tmp_path):
+    """scripts/bench_draft_rows.py (round 33's draft step against its rows) still runs on the shipped draft."""
+    env = {**os.environ, "SPECDEC_HOME": str(tmp_path)}
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_draft_rows.py"), "--rows", "1", "3",
+                           "--repeats", "2"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert [line.split(":")[0].split() for line in done.stdout.splitlines()] == [
+        ["rows", "1", "k", "1"], ["rows", "1", "k", "4"], ["rows", "3", "k", "1"], ["rows", "3", "k", "4"]]
+
+
 def test_concurrency_ratios_are_reported_per_round():
     """Rounds rotate the method order so that a slow spell of the machine hits each method; the ratio
     of every round is reported beside the pooled one (and its range printed), so the spread shows."""
