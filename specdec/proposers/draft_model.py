@@ -269,8 +269,9 @@ class DraftModelProposer:
         if not math.isfinite(float(best)):
             return None
         scored = d.state.scored_ids if d.state.scored_ids is not None else self._head
-        if int(torch.count_nonzero(scores == best)) > 1:  # columns are not in id order
-            return int(scored[scores == best].min())
+        tied = scores == best
+        if int(torch.count_nonzero(tied)) > 1:  # columns are not in id order
+            return int(scored[tied].min())
         return int(scored[column])
 
     def _copied(self, d: _Drafting, top_probability: float) -> int | None:
@@ -320,11 +321,9 @@ class DraftModelProposer:
         have = 0 if state.context_rows is None else len(state.context_rows)
         if ids is None:
             state.context_rows = state.scored_ids = None
-        elif state.context_rows is None:  # first use, or the context was reset (_context_ids)
-            state.context_rows = self.model.head_rows(ids)
-            state.scored_ids = torch.cat((self._head, ids))
-        elif have < len(ids):
-            state.context_rows = torch.cat((state.context_rows, self.model.head_rows(ids[have:])))
+        elif have < len(ids):  # new ids, or all of them after a first use or a reset (_context_ids)
+            new_rows = self.model.head_rows(ids[have:])
+            state.context_rows = new_rows if state.context_rows is None else torch.cat((state.context_rows, new_rows))
             state.scored_ids = torch.cat((self._head, ids))
         return state.context_rows
 
