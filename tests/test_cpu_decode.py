@@ -19,26 +19,27 @@ def one_thread(monkeypatch):
 
 @pytest.mark.parametrize("case", ["llama3", "smollm", "llama-tied"])
 def test_decode_and_catch_up_rows_match_the_pytorch_path_and_transformers(tmp_path, case):
-    """Rows of 1 and 3 tokens (a draft step and a catch-up after a verify) from scattered slots: the
-    logits of every asked-for token equal the PyTorch path's within float32 rounding, and
-    transformers' within the backend tests' tolerance; the keys and values written are the same, so
-    a later step (here a long one, through PyTorch) continues from either alike."""
+    """Rows of 1, 5 and 3 tokens (a draft step and catch-ups after a verify; nine tokens, so eight of
+    them in the products' blocks of four and one left over) from scattered slots: the logits of
+    every asked-for token equal the PyTorch path's within float32 rounding, and transformers' within
+    the backend tests' tolerance; the keys and values written are the same, so a later step (here a
+    long one, through PyTorch) continues from either alike."""
     path = tiny_dir(tmp_path, case)
     fused = LlamaModel(path, num_slots=5, max_context=128, fused_decode=True)
     plain = LlamaModel(path, num_slots=5, max_context=128)
     assert fused.fused is not None and plain.fused is None
-    prefixes = [random_tokens(30, seed=1), random_tokens(17, seed=2)]
-    new = [random_tokens(1, seed=3), random_tokens(3, seed=4)]
-    slots = [4, 1]
+    prefixes = [random_tokens(30, seed=1), random_tokens(17, seed=2), random_tokens(9, seed=7)]
+    new = [random_tokens(1, seed=3), random_tokens(5, seed=4), random_tokens(3, seed=8)]
+    slots = [4, 1, 2]
     for model in (fused, plain):
         for _ in range(5):
             model.allocate()
-        model.forward(slots, prefixes, [0, 0])  # prefills: PyTorch in both
+        model.forward(slots, prefixes, [0, 0, 0])  # prefills: PyTorch in both
     calls = []
     forward_rows = fused.fused.forward_rows
     fused.fused.forward_rows = lambda *a: calls.append(a[1]) or forward_rows(*a)
-    got = fused.forward(slots, new, [1, 3])
-    want = plain.forward(slots, new, [1, 3])
+    got = fused.forward(slots, new, [1, 5, 3])
+    want = plain.forward(slots, new, [1, 5, 3])
     assert calls == [new]
     for row, (g, w) in enumerate(zip(got, want)):
         assert g.shape == w.shape
@@ -49,6 +50,22 @@ def test_decode_and_catch_up_rows_match_the_pytorch_path_and_transformers(tmp_pa
     tail = random_tokens(20, seed=5)  # more than MAX_TOKENS: PyTorch's path in both
     assert relative_error(fused.forward([4], [tail], [1])[0], plain.forward([4], [tail], [1])[0]) <= 1e-5
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_the_blocked_product_at_every_leftover(accumulate):
+    """From BLOCKED_FROM tokens the loop's matrix product works tokens in blocks of four against pairs
+    of weight rows: below it, at it and at every leftover past it (tokens not a multiple of four, an
+    odd number of rows), it gives x @ w.T, added or stored."""
+    generator = torch.Generator().manual_seed(0)
+    for tokens in range(1, cpu_decode.BLOCKED_FROM + 6):
+        for rows in (1, 6, 7):
+            x = torch.randn(tokens, 33, generator=generator)
+            w = torch.randn(rows, 33, generator=generator)
+            out = torch.randn(tokens, rows, generator=generator)
+            want = out + x @ w.T if accumulate else x @ w.T
+            cpu_decode._linear(x.numpy(), w.numpy(), out.numpy(), accumulate)
+            assert torch.allclose(out, want, rtol=1e-5, atol=1e-5), (tokens, rows)
 
 
 def test_a_reduced_head_and_the_sessions_own_tokens(tmp_path):
