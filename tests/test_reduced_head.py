@@ -107,11 +107,18 @@ def test_head_vocab_auto_takes_the_checkpoints_recommendation_on_cpu_only(dirs, 
 
 
 def test_greedy_drafts_pick_the_full_vectors_argmax_while_the_context_grows_and_rolls_back(dirs, monkeypatch):
-    """A greedy row picks its token from the scored columns and the rows of its context kept between
-    proposals; the tokens and confidences must be those of the vocabulary-sized vector's argmax
-    (ties to the lowest id) with the rows gathered afresh, through growth and rollbacks."""
+    """A greedy row picks its token from the scored columns, for all rows of a step at once, and
+    the rows of its context kept between proposals; the tokens and confidences must be those of the
+    vocabulary-sized vector's argmax (ties to the lowest id) with the rows gathered afresh, through
+    growth and rollbacks."""
+    from specdec.proposers import draft_model
+    from specdec.proposers.context_columns import ContextColumns
     from specdec.proposers.draft_model import DraftModelProposer, _Drafting, _DraftSlot
     from specdec.sampling.params import SamplingParams
+
+    class RowAtATime(ContextColumns):
+        def greedy(self, scores, rows):
+            return [None] * len(rows)  # every row through the general path: the full vector's argmax
 
     order = dirs["order"]
 
@@ -129,7 +136,10 @@ def test_greedy_drafts_pick_the_full_vectors_argmax_while_the_context_grows_and_
     sequence = torch.randint(0, 256, (20,), generator=generator).tolist()
     grew = 0
     for cycle in range(12):
-        blocks = [p.propose(s, sequence, 4, SamplingParams()) for p, s in zip((fast, reference), states)]
+        blocks = [fast.propose(states[0], sequence, 4, SamplingParams())]
+        with monkeypatch.context() as patch:
+            patch.setattr(draft_model, "ContextColumns", RowAtATime)
+            blocks.append(reference.propose(states[1], sequence, 4, SamplingParams()))
         assert blocks[0].token_ids.tolist() == blocks[1].token_ids.tolist()
         assert blocks[0].confidences == pytest.approx(blocks[1].confidences, rel=1e-6)
         if cycle % 4 == 3:  # a rollback into the committed text: the context is rebuilt

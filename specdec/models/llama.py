@@ -199,23 +199,26 @@ class LlamaModel:
         token_ids: Sequence[Sequence[int]],
         num_logits: Sequence[int] | None = None,
         extra_head_ids: Sequence[torch.Tensor | None] | None = None,
-        extra_head_rows: Sequence[torch.Tensor | None] | None = None,
     ) -> list[torch.Tensor]:
         """Logits [num_logits[i], head] per row. With a reduced head, extra_head_ids[i] (token ids
-        outside it, e.g. the session's own context) adds their scores as further columns, in order;
-        extra_head_rows[i] does the same from those ids' head_rows(), for a caller that keeps them
-        between steps instead of gathering them from the embedding every step."""
-        lengths = [len(row) for row in token_ids]
-        num_logits = list(lengths if num_logits is None else num_logits)
-        logits, hidden = self._forward(list(slots), token_ids, lengths, num_logits)  # [sum(num_logits), .]
+        outside it, e.g. the session's own context) adds their scores as further columns, in order."""
+        logits, hidden = self.forward_packed(slots, token_ids, num_logits)
+        num_logits = [len(row) for row in token_ids] if num_logits is None else list(num_logits)
         # Tensors made under inference_mode refuse in-place edits outside it; callers (samplers that
         # mask logits) get ordinary tensors. The copy is a few rows of the vocabulary.
         rows = list(logits.clone().split(num_logits))
         if extra_head_ids is not None:
             extra_head_rows = [None if ids is None or not len(ids) else self.head_rows(ids) for ids in extra_head_ids]
-        if extra_head_rows is not None:
             rows = self._add_extra_head(rows, hidden.split(num_logits), extra_head_rows)
         return rows
+
+    def forward_packed(self, slots: Sequence[int], token_ids: Sequence[Sequence[int]],
+                       num_logits: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward() with every row's logits in one tensor [sum(num_logits), head], rows in order, and
+        the final hidden states they came from [sum(num_logits), hidden]: what a caller scoring extra
+        columns for many rows at once (the draft proposer's batched steps) multiplies itself."""
+        lengths = [len(row) for row in token_ids]
+        return self._forward(list(slots), token_ids, lengths, list(lengths if num_logits is None else num_logits))
 
     @torch.inference_mode()
     def head_rows(self, ids: torch.Tensor) -> torch.Tensor:

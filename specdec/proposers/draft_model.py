@@ -15,8 +15,10 @@ from dataclasses import dataclass, field
 from typing import Collection, Sequence
 
 from specdec.errors import CacheFull, InvalidArgument
+from specdec.models import cpu_scores
 from specdec.models.base import CausalLM, ModelInfo
 from specdec.proposers.base import NextTokens
+from specdec.proposers.context_columns import ContextColumns
 from specdec.proposers.copy_guess import CopyIndex, CopyRule, copied_token
 from specdec.sampling.draft import draft_confidence, pack_sparse, sample_draft_token
 from specdec.sampling.params import SamplingParams
@@ -100,10 +102,14 @@ class DraftModelProposer:
         self.copy = copy if copy is not None and copy.below > 0 else None
         self._head: torch.Tensor | None = getattr(model, "head_token_ids", None)  # reduced head ids, or None
         self._in_head: list[bool] = []
+        self._head_ids: list[int] = []
         if self._head is not None:
             in_head = torch.zeros(model.info.vocab_size, dtype=torch.bool)
             in_head[self._head] = True
             self._in_head = in_head.tolist()
+            self._head_ids = self._head.tolist()
+            if getattr(model, "device", None) == torch.device("cpu"):
+                cpu_scores.warm_up()  # the batched steps' scoring loops (ContextColumns)
         self._open: OrderedDict[str, _DraftSlot] = OrderedDict()  # least recently used first
         self._branch_ids = itertools.count(1)
 
@@ -231,28 +237,43 @@ class DraftModelProposer:
                     d.state.copy_index = CopyIndex(self.copy.ngram)
                 d.state.copy_index.sync(d.token_ids)
         # A proposal's drafted tokens come from the scored columns, so its context stays as it starts.
-        context_rows = {d.index: self._context_rows(d) for d in rows} if self._head is not None else None
+        columns = None
+        if self._head is not None:
+            context_rows = [self._context_rows(d) for d in rows]
+            columns = ContextColumns(self._head_ids, context_rows, [d.state.context_ids for d in rows])
+        pass_row = {d.index: i for i, d in enumerate(rows)}
         for _ in range(max(d.num_tokens for d in rows)):
             active = [d for d in rows if len(d.drafted) < d.num_tokens]
             if not active:  # every row stopped early on its confidence
                 break
-            extra = {} if context_rows is None else {"extra_head_rows": [context_rows[d.index] for d in active]}
-            logits = self.model.forward([d.state.slot for d in active], [d.feed for d in active], [1] * len(active),
-                                        **extra)
-            for d, row_logits in zip(active, logits):  # row_logits: [1, head (+ extra)]
-                self._draft_one(d, row_logits[-1])
+            slots, feeds = [d.state.slot for d in active], [d.feed for d in active]
+            if columns is None:
+                for d, row_logits in zip(active, self.model.forward(slots, feeds, [1] * len(active))):
+                    self._draft_one(d, row_logits[-1])  # row_logits: [1, vocab]
+                continue
+            logits, hidden = self.model.forward_packed(slots, feeds, [1] * len(active))
+            in_pass = [pass_row[d.index] for d in active]
+            scores = columns.scores(logits, hidden, in_pass)  # [active, head + padded context]
+            greedy = [d.params.greedy and not d.num_ranked for d in active]
+            picks = columns.greedy(scores, in_pass) if any(greedy) else [None] * len(active)
+            for d, row, row_scores, is_greedy, pick in zip(active, in_pass, scores, greedy, picks):
+                self._draft_one(d, row_scores[:columns.widths[row]], pick if is_greedy else None)
 
-    def _draft_one(self, d: _Drafting, scores: torch.Tensor) -> None:
-        """Draft row d's next token from its scores (the head's columns, then its context's)."""
-        token = self._reduced_greedy(d, scores) if d.params.greedy and not d.num_ranked else None
-        if token is not None:  # a point mass: nothing to send, so no distribution to build
-            ids = probs = None
+    def _draft_one(self, d: _Drafting, scores: torch.Tensor, greedy_pick: tuple[int, float] | None = None) -> None:
+        """Draft row d's next token from its scores (the head's columns, then its context's).
+        greedy_pick: the (token, confidence) a batch already found for a greedy row."""
+        if greedy_pick is not None:
+            (token, confidence), ids, probs = greedy_pick, None, None
         else:
-            full = self._full_vocab(scores, d.state.context_tensor)
-            token, ids, probs = sample_draft_token(full, d.params, len(d.token_ids) + len(d.drafted), self.top_m)
-            if d.num_ranked and not d.drafted:
-                d.ranked = torch.topk(full, min(d.num_ranked, full.numel())).indices.tolist()
-        confidence = draft_confidence(scores, token, ids, probs, d.params.greedy)
+            token = self._reduced_greedy(d, scores) if d.params.greedy and not d.num_ranked else None
+            if token is not None:  # a point mass: nothing to send, so no distribution to build
+                ids = probs = None
+            else:
+                full = self._full_vocab(scores, d.state.context_tensor)
+                token, ids, probs = sample_draft_token(full, d.params, len(d.token_ids) + len(d.drafted), self.top_m)
+                if d.num_ranked and not d.drafted:
+                    d.ranked = torch.topk(full, min(d.num_ranked, full.numel())).indices.tolist()
+            confidence = draft_confidence(scores, token, ids, probs, d.params.greedy)
         copied = self._copied(d, confidence if d.params.greedy else float(probs.max()))
         if copied is not None:
             token, ids, probs, confidence = copied, torch.tensor([copied]), torch.tensor([1.0]), self.copy.confidence
