@@ -183,6 +183,8 @@ def head_step_ms(head, target, context: int = 300, repeats: int = 40, head_rows:
 
     from transformers import DynamicCache
 
+    from specdec.models.hf_backend import cache_kwarg
+
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, min(1000, head.cfg.vocab_size), (1, context), generator=gen)
     hidden = head.cfg.hidden_size
@@ -201,10 +203,11 @@ def head_step_ms(head, target, context: int = 300, repeats: int = 40, head_rows:
         return (head._frozen[1](g) if head.cfg.feature == "pre_norm" else g) @ rows.T
 
     cache = DynamicCache()
-    target(input_ids=prompt, past_key_values=cache, use_cache=True)
+    with_cache = {cache_kwarg(target): cache}
+    target(input_ids=prompt, use_cache=True, **with_cache)
 
     def target_step():
-        target(input_ids=token, past_key_values=cache, use_cache=True)
+        target(input_ids=token, use_cache=True, **with_cache)
         cache.crop(-1)  # every repetition at the same position
 
     times: dict[str, list[float]] = {"head": [], "target": []}

@@ -52,9 +52,7 @@ class HFModel:
             )
         _check_sliding_window(config, max_context)
         self._new_cache = lambda: DynamicCache(config=self.model.config)
-        # transformers 5 renamed the forward's `past_key_values` to `cache`; accept either release.
-        params = inspect.signature(self.model.forward).parameters
-        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._cache_kwarg = cache_kwarg(self.model)
         self._caches: list = [None] * num_slots  # None = free slot
         self._lengths = [0] * num_slots
         self.packs_ragged_rows = True  # rows run one at a time: a step costs each row its own tokens
@@ -152,6 +150,12 @@ class HFModel:
         self._check_range(slot)
         if self._caches[slot] is None:
             raise InvalidArgument(f"slot {slot} is not allocated; call allocate() first")
+
+
+def cache_kwarg(model) -> str:
+    """The name of a transformers model's forward argument for its KV cache: transformers 5 renamed
+    `past_key_values` to `cache` (the old name warns, and goes in 5.40); either release is accepted."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _check_sliding_window(config, max_context: int) -> None:
