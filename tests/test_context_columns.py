@@ -74,12 +74,16 @@ def draft_dir(tmp_path_factory):
     return path
 
 
-def test_a_mixed_batch_proposes_what_each_row_proposes_alone(draft_dir):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_a_mixed_batch_proposes_what_each_row_proposes_alone(draft_dir, device):
     """Greedy, sampled and Gumbel rows with contexts of different lengths (one inside the head only),
     drafting different lengths, in one batch: each gets the tokens it gets alone, and the same
-    distributions to rounding (a row's numbers in a batched forward differ in the last bits)."""
+    distributions to rounding (a row's numbers in a batched forward differ in the last bits). On a
+    GPU the scores and picks go through PyTorch's operators instead of the compiled loops."""
     def proposer() -> DraftModelProposer:
-        return DraftModelProposer(load_model(draft_dir, num_slots=8, max_context=128, head_vocab=32), top_m=16)
+        return DraftModelProposer(load_model(draft_dir, device=device, num_slots=8, max_context=128, head_vocab=32),
+                                  top_m=16)
 
     head = proposer()._head.tolist()
     generator = torch.Generator().manual_seed(2)
@@ -100,3 +104,23 @@ def test_a_mixed_batch_proposes_what_each_row_proposes_alone(draft_dir):
         if not p.greedy:
             assert torch.equal(got.draft_prob_ids, want.draft_prob_ids), i
             torch.testing.assert_close(got.draft_probs, want.draft_probs, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_a_tie_and_a_sampled_row_use_the_ids_kept_on_the_cpu(draft_dir):
+    """The head's and the context's ids stay on the CPU while the scores are on the model's device:
+    a tie between a head and a context column goes to the lower id, and a sampled row's vector over
+    the whole vocabulary is built where its scores are."""
+    from specdec.proposers.draft_model import _Drafting, _DraftSlot
+
+    proposer = DraftModelProposer(load_model(draft_dir, device="cuda", num_slots=2, max_context=64, head_vocab=32))
+    low = min(set(range(256)) - set(proposer._head_ids))
+    state = _DraftSlot("t")
+    state.scored_ids = torch.cat((proposer._head, torch.tensor([low])))
+    scores = torch.zeros(len(state.scored_ids), device="cuda")
+    scores[-1] = scores[0] = 5.0
+    assert proposer._reduced_greedy(_Drafting(0, state, [1], 1, SamplingParams()), scores) == min(
+        low, proposer._head_ids[0])
+    full = proposer._full_vocab(scores, torch.tensor([low]))
+    assert full.device.type == "cuda" and int(torch.argmax(full)) == min(low, proposer._head_ids[0])

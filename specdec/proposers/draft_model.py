@@ -292,7 +292,7 @@ class DraftModelProposer:
         scored = d.state.scored_ids if d.state.scored_ids is not None else self._head
         tied = scores == best
         if int(torch.count_nonzero(tied)) > 1:  # columns are not in id order
-            return int(scored[tied].min())
+            return int(scored[tied.cpu()].min())  # the ids stay on the CPU, the scores on the model's device
         return int(scored[column])
 
     def _copied(self, d: _Drafting, top_probability: float) -> int | None:
@@ -308,8 +308,8 @@ class DraftModelProposer:
         if self._head is None:
             return logits  # [vocab]
         ids = self._head if context_ids is None or not len(context_ids) else torch.cat((self._head, context_ids))
-        full = torch.full((self.model.info.vocab_size,), float("-inf"), dtype=logits.dtype)
-        return full.index_copy_(0, ids, logits)  # [vocab]
+        full = torch.full((self.model.info.vocab_size,), float("-inf"), dtype=logits.dtype, device=logits.device)
+        return full.index_copy_(0, ids.to(logits.device), logits)  # [vocab], on the model's device
 
     def _context_ids(self, d: _Drafting) -> torch.Tensor | None:
         """The session's tokens outside the reduced head, in order of first appearance. Collected
