@@ -25,13 +25,17 @@ def columns(context_ids: list[list[int]], hidden: int = 2) -> ContextColumns:
     return ContextColumns(HEAD, rows, context_ids)
 
 
-@pytest.mark.parametrize("compiled", [True, False])
-def test_scores_are_the_head_then_each_rows_own_context_columns(monkeypatch, compiled):
-    """Through the compiled loop (CPU, float32) and through PyTorch (any other device or dtype)."""
-    if compiled and not cpu_scores.usable(torch.zeros(1)):
+@pytest.fixture(params=["compiled", "pytorch"])
+def path(request, monkeypatch):
+    """Each test through the compiled loops (CPU, float32) and through PyTorch (any other device or dtype)."""
+    if request.param == "compiled" and not cpu_scores.usable(torch.zeros(1)):
         pytest.skip("no compiled loop here (numba missing or failed)")
-    if not compiled:
+    if request.param == "pytorch":
         monkeypatch.setattr(cpu_scores, "usable", lambda *tensors: False)
+    return request.param
+
+
+def test_scores_are_the_head_then_each_rows_own_context_columns(path):
     batch = columns([[20, 21], [], [30]])
     head_logits = torch.arange(12.0).reshape(3, 4)
     hidden = torch.tensor([[1.0, 0.0], [0.5, 0.5], [0.0, 2.0]])
@@ -44,12 +48,7 @@ def test_scores_are_the_head_then_each_rows_own_context_columns(monkeypatch, com
     assert scores[1, 5] == float("-inf")  # row 2 has one context column: the other is padding
 
 
-@pytest.mark.parametrize("compiled", [True, False])
-def test_greedy_picks_the_top_score_and_leaves_ties_and_non_finite_rows(monkeypatch, compiled):
-    if compiled and not cpu_scores.usable(torch.zeros(1)):
-        pytest.skip("no compiled loop here (numba missing or failed)")
-    if not compiled:
-        monkeypatch.setattr(cpu_scores, "usable", lambda *tensors: False)
+def test_greedy_picks_the_top_score_and_leaves_ties_and_non_finite_rows(path):
     batch = columns([[20, 21], [], [30], [40]])
     inf = float("-inf")
     scores = torch.tensor([
