@@ -66,6 +66,21 @@ def test_extra_head_ids_score_exactly_those_rows_beside_the_reduced_head(dirs):
         full.forward([slot_a], [[1]], [1], extra_head_ids=[extra])  # a full head has no extra rows
 
 
+def test_forward_packed_gives_the_rows_logits_in_one_tensor_and_the_hidden_states_behind_them(dirs):
+    """What the draft proposer's batched steps read: forward()'s rows concatenated, and final hidden
+    states that score a row's extra ids as forward(extra_head_ids=...) does."""
+    models = [load_model(dirs["draft"], num_slots=2, head_vocab=32) for _ in range(2)]
+    tokens, num_logits = [[7, 8, 9], [3, 4]], [2, 1]
+    extra = torch.tensor(dirs["order"][200:205])
+    for model in models:
+        model.allocate(), model.allocate()
+    logits, hidden = models[0].forward_packed([1, 0], tokens, num_logits)
+    rows = models[1].forward([1, 0], tokens, num_logits, extra_head_ids=[None, extra])
+    assert logits.shape == (3, 32) and hidden.shape[0] == 3
+    torch.testing.assert_close(logits, torch.cat([row[:, :32] for row in rows]))
+    torch.testing.assert_close(hidden[2:] @ models[0].head_rows(extra).T, rows[1][:, 32:], rtol=1e-5, atol=1e-5)
+
+
 def test_the_draft_scores_its_head_and_the_sessions_context_tokens_only(dirs):
     from specdec.proposers.draft_model import DraftModelProposer
     from specdec.sampling.params import SamplingParams
