@@ -359,3 +359,35 @@ def test_sessions_prefilled_but_not_stepped_yet_count_as_load():
     pricing.starting = lambda: 0
     assert pricing.load(now) == 8
     assert pricing.load(now + 60.0) == 0
+
+
+def cpu_pool(accepted: int, drafting=("s",)) -> CycleWallPricing:
+    """4 sessions on a CPU: a plain step of n tokens costs 34.7 ms + 2.33 ms a token (44 ms for 4 rows),
+    and the next starts 2 ms after it. Then every step is held 10 ms for the verifies of the sessions
+    `drafting` elsewhere (their round trips), whose 2 drafted tokens each make the step 51 ms."""
+    pricing = CycleWallPricing(min_cycles=1)
+    plain_step = lambda rows: 0.0347 + 0.00233 * rows  # noqa: E731
+    sessions = ["s", "p1", "p2", "p3"]
+    end = 0.0
+    for _ in range(3):
+        start = end + 0.002
+        pricing.observe([DecodeWork(s, 1) for s in sessions], [[1]] * 4, start, start + 0.044, plain_step)
+        end = start + 0.044
+    for _ in range(3):
+        start = end + 0.010
+        works = [external(s, 2) if s in drafting else DecodeWork(s, 1) for s in sessions]
+        results = [VerifyOutcome(0, 2, accepted, 0) if s in drafting else [1] for s in sessions]
+        pricing.observe(works, results, start, start + 0.051, plain_step)
+        end = start + 0.051
+    return pricing
+
+
+def test_a_cycle_is_charged_what_it_cost_the_other_rows_of_its_step():
+    """The other rows waited for the verify and were widened by it: a cycle that commits 2 tokens in
+    61 ms would pay its own session (33 tokens/s against plain steps' 22) but costs the other three
+    a third of a token each, so the pool gets fewer tokens per second than plain decoding: refused.
+    3 tokens a cycle pay for both, and so do 2 when every session drafts (no one waits for another)."""
+    assert cpu_pool(accepted=1).refuses("s")
+    assert not cpu_pool(accepted=2).refuses("s")
+    everyone = ("s", "p1", "p2", "p3")
+    assert not any(cpu_pool(accepted=1, drafting=everyone).refuses(s) for s in everyone)

@@ -53,6 +53,16 @@ tail, with most sessions gone, or at its head, with most still prefilling, let e
 the next burst draft, and each then lost two to seven cycles before its refusal (on the CPU at 16
 sessions, 44-62 losing cycles a burst; docs/BENCHMARKS.md, "Round 30").
 
+A cycle is also charged what it cost the step's other rows. The target holds a step for a session
+just served (batcher._gather), so while one drafts elsewhere the others wait for its verify, and its
+drafted tokens widen their step: on a CPU at 4 sessions a cycle's round trip held the step for about
+7 ms and its verify row added another 7 to a 44 ms step, and the cycles that committed 2 tokens paid
+their own session but lost the pool's throughput (0.93 of plain decoding). So the interval from the
+previous step's end to the verify step's end is set against a plain step of as many rows (the fit,
+plus the gap between plain steps), and the share of the other rows' lost tokens (rows - m of them
+for m verify rows drafted elsewhere) is taken off the cycle's tokens: whether the batch, not the
+session alone, gets more tokens per second than plain decoding would give it.
+
 Like the trimmer, this only chooses how many drafted tokens to verify: the output is unchanged.
 Thread-confined to the model thread, as the trimmer is. No I/O; the caller passes the clock.
 """
@@ -75,6 +85,7 @@ class _Pace:
     last_result: float  # perf_counter seconds when the session's latest step ended
     wall_s: float | None = None  # EWMA of a cycle's wall time (previous result -> this verify's result)
     tokens: float | None = None  # EWMA of tokens committed per cycle
+    others: float = 0.0  # EWMA of the tokens a cycle cost the other rows of its verify step
     cycles: int = 0  # cycles measured since the last reset
     refused_for: int = 0  # plain steps left before the session may draft again
     backoff: int = 0  # the next refusal's length in plain steps (doubles while refusals follow)
@@ -111,6 +122,7 @@ class CycleWallPricing:
         self._sources: OrderedDict[str, str] = OrderedDict()  # session -> draft source (StartSession)
         self._sessions: OrderedDict[str, _Pace] = OrderedDict()
         self._gap_s: float | None = None  # between one step's end and the next one's start, when busy
+        self._plain_gap_s: float | None = None  # the same before steps without a verify drafted elsewhere
         self._step_s = 0.0  # the latest step's length
         self._last_end: float | None = None
 
@@ -210,9 +222,16 @@ class CycleWallPricing:
         countdown). plain_step_s(B): the model seconds of a plain step of B sessions, if known."""
         self._steps += 1
         step_s = ended - started
+        away = sum(isinstance(r, VerifyOutcome) and _drafted_elsewhere(w) for w, r in zip(works, results))
+        others_lost = 0.0
         if self._last_end is not None and 0.0 <= started - self._last_end <= step_s:  # back to back
             gap = started - self._last_end
-            self._gap_s = gap if self._gap_s is None else self.decay * self._gap_s + (1 - self.decay) * gap
+            self._gap_s = self._average(self._gap_s, gap)
+            if away:
+                others_lost = self._others_lost(len({w.session_id for w in works}), away, gap + step_s,
+                                                plain_step_s)
+            else:
+                self._plain_gap_s = self._average(self._plain_gap_s, gap)
         self._last_end, self._step_s = ended, step_s
         for work in works:
             self._joined.pop(work.session_id, None)
@@ -240,23 +259,36 @@ class CycleWallPricing:
                 # The load this cycle met: the sessions with a result during it (this one's previous
                 # result included), at least the rows of this step, and those about to join.
                 active = max(self.active_sessions(ended, wall), len(works)) + self._arriving(ended)
-                self._cycle(work.session_id, pace, result.num_accepted + 1, wall,
+                self._cycle(work.session_id, pace, result.num_accepted + 1, others_lost, wall,
                             plain_step_s(active) if active > 1 else None, active)
             pace.last_result = ended
 
-    def _cycle(self, session_id: str, pace: _Pace, tokens: int, wall: float, plain_step_s: float | None,
-               load: int) -> None:
-        d = self.decay
-        pace.wall_s = wall if pace.wall_s is None else d * pace.wall_s + (1 - d) * wall
-        pace.tokens = tokens if pace.tokens is None else d * pace.tokens + (1 - d) * tokens
+    def _average(self, average: float | None, value: float) -> float:
+        return value if average is None else self.decay * average + (1 - self.decay) * value
+
+    def _others_lost(self, rows: int, away: int, interval: float, plain_step_s) -> float:
+        """Tokens each of a step's `away` verify rows drafted elsewhere cost its other rows: those got
+        one token in `interval` (the wait for the step, the step) where plain steps of `rows` rows
+        come one per plain period. Negative when the step came sooner (noise must not bias it up)."""
+        plain = plain_step_s(rows) if rows > away else None
+        if plain is None or self._plain_gap_s is None:
+            return 0.0
+        return (rows - away) * (interval / (plain + self._plain_gap_s) - 1.0) / away
+
+    def _cycle(self, session_id: str, pace: _Pace, tokens: int, others_lost: float, wall: float,
+               plain_step_s: float | None, load: int) -> None:
+        pace.wall_s = self._average(pace.wall_s, wall)
+        pace.tokens = self._average(pace.tokens, tokens)
+        pace.others = self._average(pace.others if pace.cycles else None, others_lost)
         pace.cycles += 1
         if plain_step_s is None:  # alone: no verdict (the coordinator's call), so its turn passes on
             self._answered(session_id, pace.source)
             return
         if pace.cycles < (1 if pace.backoff else self.min_cycles):
             return
-        plain_period = plain_step_s + (self._gap_s or 0.0)
-        pays = pace.tokens / pace.wall_s >= (1.0 + self.margin) / plain_period
+        gap = self._plain_gap_s if self._plain_gap_s is not None else self._gap_s  # None: no step back to back
+        plain_period = plain_step_s + (gap or 0.0)
+        pays = (pace.tokens - pace.others) / pace.wall_s >= (1.0 + self.margin) / plain_period
         if pays and pace.cycles < self.min_cycles:
             # A probe's one cycle confirms a refusal, but one lucky block must not lift it: every waiting
             # session would draft at once (on the CPU at 16 sessions, 15 lost a cycle each after one).
