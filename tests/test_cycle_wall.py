@@ -391,3 +391,19 @@ def test_a_cycle_is_charged_what_it_cost_the_other_rows_of_its_step():
     assert not cpu_pool(accepted=2).refuses("s")
     everyone = ("s", "p1", "p2", "p3")
     assert not any(cpu_pool(accepted=1, drafting=everyone).refuses(s) for s in everyone)
+
+
+def test_a_refusal_ends_when_its_load_has_gone():
+    """Refused among 8 sessions, a session left with one other (a burst's tail, traffic falling) may
+    probe at once, rather than decode plainly for the rest of its refusal; among as many as it lost
+    under it waits the refusal out (the first test)."""
+    trimmer = gpu_trimmer()
+    steps = Steps(trimmer)
+    pricing = trimmer.cycle_wall
+    assert steps.cycles("slow", 4, every=6, accepted=2) == [4, 4, 4, 0] and pricing.refuses("slow")
+    tail = Steps(trimmer, plain=("p0",))
+    tail.now = steps.now + 1.0  # the other six have ended
+    tail.run([DecodeWork("slow", 10)], [[1]])
+    assert not pricing.refuses("slow")
+    tail.run([DecodeWork("slow", 10)], [[1]])  # its next result says so: drafts would be verified
+    assert trimmer.draft_limits["slow"] > 0

@@ -47,7 +47,8 @@ session gets no verdict, so its turn passes on at its first cycle.
 A verdict holds for a load: the sessions the losing cycle met, counting those whose StartSession
 is still queued for its prefill (`starting`, told by the service) and those prefilled whose first
 step has not come (`started`): no result shows them yet, but they are the next steps' rows. A
-session under a clearly lighter load (below `lighter` x the refusal's) may draft, and only cycles
+session under a clearly lighter load (below `lighter` x the refusal's) may draft (a refused one
+too, at once: a burst's tail need not decode plainly for the rest of its refusals), and only cycles
 that pay under at least that load count towards lifting the verdict. Without that, a probe that paid at a burst's
 tail, with most sessions gone, or at its head, with most still prefilling, let every new session of
 the next burst draft, and each then lost two to seven cycles before its refusal (on the CPU at 16
@@ -89,6 +90,7 @@ class _Pace:
     cycles: int = 0  # cycles measured since the last reset
     refused_for: int = 0  # plain steps left before the session may draft again
     backoff: int = 0  # the next refusal's length in plain steps (doubles while refusals follow)
+    refused_load: int = 0  # the load its refusal was made under (a clearly lighter one ends it)
     source: str = ""  # where its drafts come from (StartSession's draft_source; "": not said)
 
 
@@ -149,9 +151,9 @@ class CycleWallPricing:
         """A new session drafting from `source` under `load` starts from its latest verdict: refused for
         the rest of its window; after it, it waits its turn to probe, its first measured cycle decides,
         and a loss doubles that refusal."""
-        length = self._verdicts.get(source, (0, 0, 0))[1]
+        _, length, refused_load = self._verdicts.get(source, (0, 0, 0))
         return _Pace(last_result=last_result, refused_for=self._wait_to_probe(session_id, source, load),
-                     backoff=length, source=source)
+                     backoff=length, refused_load=refused_load, source=source)
 
     def _wait_to_probe(self, session_id: str, source: str, load: int) -> int:
         """Steps the session must still decode plainly before it may draft from `source` (0: now; it then
@@ -223,25 +225,28 @@ class CycleWallPricing:
         self._steps += 1
         step_s = ended - started
         away = sum(isinstance(r, VerifyOutcome) and _drafted_elsewhere(w) for w, r in zip(works, results))
+        rows = len({w.session_id for w in works})
         others_lost = 0.0
         if self._last_end is not None and 0.0 <= started - self._last_end <= step_s:  # back to back
             gap = started - self._last_end
             self._gap_s = self._average(self._gap_s, gap)
             if away:
-                others_lost = self._others_lost(len({w.session_id for w in works}), away, gap + step_s,
-                                                plain_step_s)
+                others_lost = self._others_lost(rows, away, gap + step_s, plain_step_s)
             else:
                 self._plain_gap_s = self._average(self._plain_gap_s, gap)
         self._last_end, self._step_s = ended, step_s
         for work in works:
             self._joined.pop(work.session_id, None)
+        # The load now, before the rows below move their sessions to the recent end: one back from a
+        # long cycle would stop the count there. At least this step's rows.
+        load = max(self.load(ended), rows + self._arriving(ended))
         for work, result in zip(works, results):
             if isinstance(result, Exception):
                 continue
             pace = self._sessions.get(work.session_id)
             if pace is None:  # a session whose first row drafted elsewhere starts from the latest verdict
                 source = self._sources.get(work.session_id, "")
-                pace = self._new_pace(work.session_id, source, ended, self.load(ended)) if _drafted_elsewhere(work) \
+                pace = self._new_pace(work.session_id, source, ended, load) if _drafted_elsewhere(work) \
                     else _Pace(last_result=ended, source=source)
                 self._remember(self._sessions, work.session_id, pace)
                 continue
@@ -250,9 +255,10 @@ class CycleWallPricing:
             if wall <= 0.0:  # a second row of the session in this step: no cycle to measure
                 continue
             if pace.refused_for > 0:  # a step of the refusal, plain (or a verify cut to nothing)
-                pace.refused_for -= 1
+                # The load it lost under has gone (a burst's tail, traffic falling): it may probe now.
+                pace.refused_for = 0 if load < self.lighter * pace.refused_load else pace.refused_for - 1
                 if pace.refused_for == 0:
-                    pace.refused_for = self._wait_to_probe(work.session_id, pace.source, self.load(ended))
+                    pace.refused_for = self._wait_to_probe(work.session_id, pace.source, load)
                 if pace.refused_for == 0:  # a probe may come: measure it afresh
                     pace.wall_s, pace.tokens, pace.cycles = None, None, 0
             elif isinstance(result, VerifyOutcome) and _drafted_elsewhere(work):
@@ -307,7 +313,7 @@ class CycleWallPricing:
         _, length, refused_load = self._verdicts.get(pace.source, (0, 0, load))
         length = max(pace.backoff, length)
         pace.backoff = self.first_backoff if length == 0 else min(2 * length, self.max_backoff)
-        pace.refused_for = pace.backoff
+        pace.refused_for, pace.refused_load = pace.backoff, load
         self._verdicts[pace.source] = (self._steps, pace.backoff, min(load, refused_load))
         self._paid_probes.pop(pace.source, None)
         self.refusals += 1
