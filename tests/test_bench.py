@@ -39,6 +39,7 @@ def test_bench_runs_end_to_end_and_writes_the_report_and_the_plot(models, tmp_pa
         [sys.executable, "-m", "specdec.cli", "bench", "--target", str(target), "--draft", str(draft),
          "--prompts", str(prompts), "--max-new-tokens", "12", "--threads", "1", "--concurrency", "1,2",
          "--concurrency-prompts", "2", "--timing-repeats", "1", "--k-policy", "fixed:4,2,server",
+         "--arrival-rate", "20", "--arrival-requests", "3", "--arrival-max-sessions", "2",
          "--draft-arg=--session-ttl=900", "--no-progress", "--out", str(out),
          "--log-dir", str(tmp_path / "logs")],
         cwd=REPO, capture_output=True, text=True, timeout=400, env={**os.environ, "OMP_NUM_THREADS": "1"},
@@ -78,6 +79,13 @@ def test_bench_runs_end_to_end_and_writes_the_report_and_the_plot(models, tmp_pa
     assert set(report["batch1"]["by_category"]) == {"qa", "writing"}
     assert {"t_step", "t_verify", "t_draft"} <= set(overall["_step_times"])
     assert report["concurrency"]["2"]["plain"]["requests"] == 2
+    # The open-loop phase: 3 arrivals at 20/s with 2 sessions at most, every service method.
+    arrival = report["arrivals"]["20"]
+    assert arrival["plain"]["requests"] == 3 and arrival["specdec-draft"]["requests"] == 3
+    assert arrival["specdec-draft"]["e2e_mean_vs_plain"] > 0 and arrival["plain"]["mean_in_flight"] > 0
+    assert report["meta"]["arrivals"]["max_sessions"] == 2 and "done/s" in result.stdout
+    arrived = [r for r in report["requests"] if r["phase"] == "arrival" and r["method"] == "plain"]
+    assert min(r["client_wait_s"] for r in arrived) < 1e-3  # the first arrival found a free session
     # The target's batched steps during each method's run at 2 sessions: 2 requests of 12 tokens,
     # 11 plain steps each (the first token comes with the prefill), in steps of 1 or 2 rows.
     plain_batches = report["concurrency"]["2"]["plain"]["target_batches"]

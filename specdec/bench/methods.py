@@ -166,11 +166,13 @@ class RequestResult:
     start_s: float = 0.0  # perf_counter at send (concurrency: wall-clock span of a round)
     finish_reason: str | None = None
     stats: dict = field(default_factory=dict)  # SpeculationStats fields as the coordinator reports them
-    phase: str = "batch1"  # "batch1" | "concurrency" | "netem"
+    phase: str = "batch1"  # "batch1" | "concurrency" | "netem" | "arrival"
     concurrency: int = 1
     delay_ms: float | None = None  # network delay of a netem phase
     round: int = 0
     order: int = 0  # place of this method in its prompt's rotation
+    rate: float | None = None  # requests per second of an arrival phase (arrivals.py)
+    client_wait_s: float = 0.0  # arrival phase: time queued in the client for a free session (in ttft, e2e)
 
     @property
     def num_tokens(self) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import statistics
 
-from specdec.bench import target_batches
+from specdec.bench import arrivals, target_batches
 from specdec.bench.methods import RequestResult, is_service, is_speculative
 from specdec.bench.report import batch1_report, concurrency_report, goals, group_metrics, phase_table
 from specdec.bench.runner import Bench, Collected
@@ -53,8 +53,13 @@ def sections(results: list[RequestResult], times: list[StepTimes], methods: list
         for level, note in notes["netem"]["levels"].items():
             rows = [r for r in results if r.phase == "netem" and r.delay_ms == float(level)]
             netem["levels"][level] = {**phase_table(rows, methods, times, fixed_k), "_network": note}
+    arrival = arrivals.report(results, methods)
+    for rate, table in (notes.get("arrival_target_batches") or {}).items():
+        for name, counts in table.items():
+            if name in arrival.get(rate, {}):
+                arrival[rate][name]["target_batches"] = target_batches.summary(counts)
     floor = notes.get("floor")
-    return {"batch1": batch1, "concurrency": concurrency, "netem": netem,
+    return {"batch1": batch1, "concurrency": concurrency, "netem": netem, "arrivals": arrival,
             "goals": goals(batch1, concurrency, floor),
             "did_not_speculate": did_not_speculate(batch1["overall"]),
             "floor": {"target": floor, "draft": notes.get("floor_draft")} if floor else None}
@@ -74,7 +79,8 @@ def recompute(report: dict) -> dict:
                        "levels": {lv: t["_network"] for lv, t in report["netem"]["levels"].items()}}
              if report.get("netem") else None,
              "floor": (report.get("floor") or {}).get("target"), "floor_draft": (report.get("floor") or {}).get("draft"),
-             "target_batches": report.get("target_batches")}
+             "target_batches": report.get("target_batches"),
+             "arrival_target_batches": report.get("arrival_target_batches")}
     return {**report, **sections(results, times, methods, fixed_k, notes)}
 
 
@@ -111,6 +117,11 @@ def assemble(bench: Bench, collected: Collected) -> dict:
                      "shuffled with the seed); engine step times measured in the same rotation",
             "concurrency": {"levels": list(c.concurrency), "prompts_per_level": c.concurrency_prompts,
                             "rounds": c.concurrency_rounds},
+            "arrivals": {"rates_per_s": list(c.arrival_rates), "requests_per_rate": c.arrival_requests,
+                         "rounds": c.arrival_rounds, "max_sessions": c.arrival_max_sessions,
+                         "process": "Poisson (exponential gaps), the same instants for every method of a round; "
+                                    "latency counts from arrival, client-side waits for a session included"}
+            if c.arrival_rates else None,
             "hf": notes.get("hf"), "warmup_s": notes.get("warmup_s"), "log_dir": notes.get("log_dir"),
         },
         "methods": bench.describe_methods(),
@@ -118,6 +129,7 @@ def assemble(bench: Bench, collected: Collected) -> dict:
         "step_times": [t.to_dict() for t in collected.times],
         "requests": [r.to_dict() for r in collected.results],
         "target_batches": notes.get("target_batches") or None,  # raw counts (recompute reads them)
+        "arrival_target_batches": notes.get("arrival_target_batches") or None,
     }
 
 
@@ -179,6 +191,20 @@ def tables(report: dict) -> str:
                 lines.append(f"{level:<9} {name:<22} {_f(m['tokens_per_s'], '{:.1f}'):>7} "
                              f"{_f(m.get('throughput_vs_plain')):>8} {tpot:>16} {_f(m['ttft_p50_s'], '{:.0f}', 1e3):>7}ms"
                              f" {_overhead(m):>14} {_batches(m):>28}{_rounds(m)}{_full(m)}")
+    if report.get("arrivals"):
+        lines.append("")
+        lines.append(f"{'req/s':<7} {'method':<22} {'done/s':>6} {'tok/s':>7} {'e2e p50/p99 s':>14} {'vs plain':>8} "
+                     f"{'TTFT p50':>9} {'TPOT p50/p99 ms':>16} {'in flight':>9} {'waited':>6}")
+        for rate, table in sorted(report["arrivals"].items(), key=lambda kv: float(kv[0])):
+            for name, m in table.items():
+                e2e = f"{_f(m['e2e_p50_s'], '{:.1f}')}/{_f(m['e2e_p99_s'], '{:.1f}')}"
+                tpot = f"{_f(m['tpot_p50_s'], '{:.1f}', 1e3)}/{_f(m['tpot_p99_s'], '{:.1f}', 1e3)}"
+                lines.append(f"{rate:<7} {name:<22} {_f(m['achieved_rate']):>6} {_f(m['tokens_per_s'], '{:.1f}'):>7} "
+                             f"{e2e:>14} {_f(m.get('e2e_mean_vs_plain')):>8} "
+                             f"{_f(m['ttft_p50_s'], '{:.0f}', 1e3):>7}ms {tpot:>16} {_f(m['mean_in_flight'], '{:.1f}'):>9} "
+                             f"{_f(m['waited_share'], '{:.0%}', 1):>6}")
+        lines.append("(open loop: latency from arrival; 'vs plain' = mean end-to-end time against plain decoding's "
+                     "at the same arrivals, below 1 is faster)")
     if report.get("netem"):
         lines.append("")
         lines.append(f"network delay ({report['netem']['network']['mode']}), batch 1:")

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specdec.bench import meta, phases
+from specdec.bench import arrivals, meta, phases
 from specdec.bench.methods import (CATALOG, PLAIN_SERVICE_METHODS, REPLAY_PREFIX, REPLAY_TARGET_PREFIX, SERVER_POLICY,
                                    InProcessPlain,
                                    RequestResult, ServiceMethod, base_name, choose_methods, coordinator_of,
@@ -46,6 +46,10 @@ class BenchConfig:
     concurrency: tuple[int, ...] = (1,)
     concurrency_prompts: int = 16
     concurrency_rounds: int = 1
+    arrival_rates: tuple[float, ...] = ()  # open-loop phase (arrivals.py): requests per second, each a level
+    arrival_requests: int = 32  # requests per method, rate and round
+    arrival_rounds: int = 1
+    arrival_max_sessions: int = 16  # in flight at once; later arrivals wait in the client (counted)
     netem_ms: tuple[float, ...] = ()
     netem_mode: str = "auto"  # auto | netns | proxy
     netem_prompts: int = 6
@@ -119,8 +123,10 @@ class Bench:
 
     def service_options(self) -> ServiceOptions:
         c = self.config
+        in_flight = c.arrival_max_sessions if c.arrival_rates else 0
         return ServiceOptions(self.target_dir, self.draft_dir, c.backend, c.dtype, c.device, c.draft_device or c.device,
-                              c.threads, num_slots=max(8, max(c.concurrency) + 4), cuda_graphs=c.cuda_graphs,
+                              c.threads, num_slots=max(8, max(c.concurrency) + 4, in_flight + 4),
+                              cuda_graphs=c.cuda_graphs,
                               max_context=c.max_context,
                               num_draft_tokens=c.num_draft_tokens, replay_references=self.references,
                               replay_seed=c.replay_seed, replay_alpha_spread=c.replay_alpha_spread,
@@ -209,7 +215,8 @@ class Bench:
         batch = c.runs * len(self.prompts) * (len(self.methods) + 1)
         conc = sum(c.concurrency_rounds * c.concurrency_prompts * len(service) for lv in c.concurrency if lv > 1)
         net = (len(c.netem_ms) + 1) * min(c.netem_prompts, len(self.prompts)) * len(service) if c.netem_ms else 0
-        return batch + conc + net
+        arrivals = len(c.arrival_rates) * c.arrival_rounds * c.arrival_requests * len(service)
+        return batch + conc + net + arrivals
 
     def run(self) -> Collected:
         """Synchronous setup (models, references), then the asynchronous phases."""
@@ -249,8 +256,10 @@ class Bench:
             self.collected.notes["warmup_s"] = time.perf_counter() - started
             await phases.batch1(self, timer)
             if deployment is not None:
-                await phases.concurrency(self, {k: v for k, v in self.runners.items() if is_service(k)},
-                                         deployment.target)
+                service_runners = {k: v for k, v in self.runners.items() if is_service(k)}
+                await phases.concurrency(self, service_runners, deployment.target)
+                if self.config.arrival_rates:
+                    await arrivals.phase(self, service_runners, deployment.target)
                 if self.config.netem_ms:
                     await phases.netem(self, stack, deployment)
 

@@ -3,6 +3,7 @@
     specdec bench                                   # the default prompt set, every method
     specdec bench --prompts ../shared/data/specbench/dev.jsonl --per-category 2 --concurrency 1,4,16
     specdec bench --netem 0.2ms,1ms                 # the service methods again behind a network delay
+    specdec bench --arrival-rate 0.2,0.5            # open loop: requests arriving at a set rate
 
 Writes a JSON report with every number and a PNG, and prints a short table. See specdec/bench/.
 """
@@ -18,6 +19,13 @@ from pathlib import Path
 
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return value
 
 
 def _delays(text: str) -> tuple[float, ...]:
@@ -63,6 +71,14 @@ def add_parser(subparsers) -> None:
                         help="concurrent sessions, e.g. 1,4,16 (service methods; 1 is the batch-1 pass)")
     parser.add_argument("--concurrency-prompts", type=int, default=16, help="requests per method and level")
     parser.add_argument("--concurrency-rounds", type=int, default=1)
+    parser.add_argument("--arrival-rate", type=_rates, default=(),
+                        help="open loop: requests per second, e.g. 0.2,0.5 (service methods; requests arrive as a "
+                             "Poisson process, the same instants for every method; off by default)")
+    parser.add_argument("--arrival-requests", type=_positive, default=32, help="requests per method, rate and round")
+    parser.add_argument("--arrival-rounds", type=_positive, default=1)
+    parser.add_argument("--arrival-max-sessions", type=_positive, default=16,
+                        help="requests in flight at once; a later arrival waits in the client, and its latency "
+                             "counts the wait")
     parser.add_argument("--netem", type=_delays, default=(), help="network delays, e.g. 0.2ms,1ms (off by default)")
     parser.add_argument("--netem-mode", choices=["auto", "netns", "proxy"], default="auto",
                         help="auto: netns + tc netem where it works, else a TCP delay proxy")
@@ -108,6 +124,17 @@ def add_parser(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
+def _rates(text: str) -> tuple[float, ...]:
+    try:
+        rates = tuple(float(x) for x in text.split(",") if x)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"arrival rates are requests per second, comma-separated, e.g. 0.2,0.5; "
+                                         f"got {text!r}") from None
+    if any(r <= 0 for r in rates):
+        raise argparse.ArgumentTypeError(f"every arrival rate must be > 0 requests per second, got {text!r}")
+    return rates
+
+
 def _spread(text: str) -> float:
     value = float(text)
     if not 0.0 <= value <= 1.0:
@@ -135,7 +162,9 @@ def build_config(args: argparse.Namespace):
         num_draft_tokens=args.num_draft_tokens, k_policy=args.k_policy,
         methods=tuple(m for m in args.methods.split(",") if m), runs=args.runs,
         concurrency=tuple(args.concurrency) or (1,), concurrency_prompts=args.concurrency_prompts,
-        concurrency_rounds=args.concurrency_rounds, netem_ms=tuple(args.netem), netem_mode=args.netem_mode,
+        concurrency_rounds=args.concurrency_rounds, arrival_rates=tuple(args.arrival_rate),
+        arrival_requests=args.arrival_requests, arrival_rounds=args.arrival_rounds,
+        arrival_max_sessions=args.arrival_max_sessions, netem_ms=tuple(args.netem), netem_mode=args.netem_mode,
         netem_prompts=args.netem_prompts, threads=args.threads, backend=args.backend, dtype=args.dtype,
         device=args.device, draft_device=args.draft_device,
         cuda_graphs=None if args.cuda_graphs is None else args.cuda_graphs == "on", pld_tokens=args.pld_tokens,
