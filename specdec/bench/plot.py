@@ -1,5 +1,6 @@
 """The report's PNG: speedup by category and method; acceptance by draft position; and, when the
-run has them, throughput under concurrency and speedup under network delay."""
+run has them, throughput under concurrency, latency under open-loop arrivals and speedup under
+network delay."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ def plot_report(report: dict, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     batch1 = report["batch1"]
-    extra = [p for p in ("concurrency", "netem") if report.get(p)]
+    extra = [p for p in ("concurrency", "arrivals", "netem") if report.get(p)]
     fig, axes = plt.subplots(1, 2 + len(extra), figsize=(7 + 5 * (1 + len(extra)), 4.8), squeeze=False,
                              gridspec_kw={"width_ratios": [2.2] + [1] * (1 + len(extra))})
     axes = axes[0]
@@ -24,7 +25,7 @@ def plot_report(report: dict, path: Path) -> Path:
     _speedup_by_category(axes[0], batch1, colors)
     _acceptance_by_position(axes[1], batch1["overall"], colors)
     for ax, part in zip(axes[2:], extra):
-        (_concurrency if part == "concurrency" else _netem)(ax, report[part], colors)
+        {"concurrency": _concurrency, "arrivals": _arrivals, "netem": _netem}[part](ax, report[part], colors)
     meta = report["meta"]
     where = (f"{meta['machine']['cores']} CPU cores, {meta['threads']} thread(s) per process" if meta["device"] == "cpu"
              else meta["device"])
@@ -85,6 +86,22 @@ def _concurrency(ax, concurrency: dict, colors: dict) -> None:
     ax.set_xlabel("concurrent sessions")
     ax.set_ylabel("output tokens/s (all sessions)")
     ax.set_title("Throughput under concurrency", fontsize=9)
+    ax.legend(fontsize=7)
+
+
+def _arrivals(ax, arrivals: dict, colors: dict) -> None:
+    """Mean (solid) and p99 (dashed) end-to-end latency from arrival against the offered rate."""
+    rates = sorted(arrivals, key=float)
+    for method in [m for m in colors if any(m in t for t in arrivals.values())]:
+        xs = [float(r) for r in rates if method in arrivals[r]]
+        ax.plot(xs, [arrivals[r][method]["e2e_mean_s"] for r in rates if method in arrivals[r]], marker="o",
+                label=method, color=colors.get(method))
+        ax.plot(xs, [arrivals[r][method]["e2e_p99_s"] for r in rates if method in arrivals[r]], linestyle="--",
+                color=colors.get(method))
+    ax.set_xlabel("offered load, requests/s (Poisson arrivals)")
+    ax.set_ylim(bottom=0)
+    ax.set_ylabel("end-to-end latency from arrival, s (mean; dashed: p99)")
+    ax.set_title("Open-loop load", fontsize=9)
     ax.legend(fontsize=7)
 
 
