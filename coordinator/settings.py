@@ -69,6 +69,9 @@ class CoordinatorSettings:
     # auto (True with the gate below); built in code, settings are sequential unless told.
     pipelining: bool = False
     pipelining_min_full_accept: float = 0.0  # --pipelining auto: only while blocks are accepted whole this often
+    # --pipelining auto: only while a session's speculative drafts save more than they slow the verify
+    # beside them (specdec.generation.pipeline_price: a draft on the target's device slows it)
+    pipelining_priced: bool = False
     pipeline_branches: int = 1  # branches per speculative draft (specdec.engine.alternatives)
     plain_streaming: bool = True  # --plain-decoding stream: a run of plain steps is one DecodeStream
     feed_draft_every: int = 0  # --feed-draft-every (specdec.generation.draft_feed); 0: off
@@ -155,7 +158,9 @@ def add_arguments(parser: argparse.ArgumentParser, environ=os.environ) -> None:
                    help="on: the draft drafts the next block while the target verifies the current one "
                         "(hides the draft's time on a hit; lossless either way); off: sequential cycles; "
                         "auto (default): on per session while its recent share of wholly accepted blocks "
-                        "(which bounds the hit rate) is at least --pipelining-min-full-accept. A request's "
+                        "(which bounds the hit rate) is at least --pipelining-min-full-accept and its "
+                        "speculative drafts save more than they slow the verify beside them (a draft on "
+                        "the target's GPU does). A request's "
                         "speculation.pipelined overrides it (true: on)")
     g.add_argument("--pipelining-min-full-accept", type=float, default=AUTO_MIN_FULL_ACCEPT,
                    help="the share of wholly accepted blocks below which --pipelining auto drafts sequentially")
@@ -214,6 +219,7 @@ def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
         max_adaptive_draft_tokens=args.max_adaptive_draft_tokens,
         retry_draft_after=args.retry_draft_after, pipelining=args.pipelining != "off",
         pipelining_min_full_accept=args.pipelining_min_full_accept if args.pipelining == "auto" else 0.0,
+        pipelining_priced=args.pipelining == "auto",
         pipeline_branches=args.pipeline_branches, plain_streaming=args.plain_decoding == "stream",
         feed_draft_every=args.feed_draft_every,
         limits=Limits(args.max_new_tokens, args.max_new_tokens_limit, args.max_draft_tokens),

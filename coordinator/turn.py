@@ -74,6 +74,7 @@ class TurnSettings:
     max_adaptive_tokens: int = 8
     pipelining: bool = False  # a request not naming speculation.pipelined gets this (--pipelining)
     pipelining_min_full_accept: float = 0.0  # --pipelining auto's gate; a request asking for pipelining gets 0
+    pipelining_priced: bool = False  # --pipelining auto's price (pipeline_price.py); not for a request asking
     pipeline_branches: int = 1  # --pipeline-branches
     plain_streaming: bool = True  # --plain-decoding
     inner_draft: str = ""  # --draft target:ngram / target:model: speculative turns draft inside the target
@@ -214,9 +215,11 @@ class Turn:
         adaptive = not fixed and self.settings.adaptive
         pipelining = self.settings.pipelining if plan.turn.pipelined is None else plan.turn.pipelined
         gate = self.settings.pipelining_min_full_accept if plan.turn.pipelined is None else 0.0
+        priced = self.settings.pipelining_priced and plan.turn.pipelined is None
         loop_settings = LoopSettings(fixed or self.settings.num_draft_tokens, self.settings.retry_draft_after,
                                      adaptive=adaptive, max_draft_tokens=self.settings.max_adaptive_tokens,
                                      pipelining=pipelining, pipeline_min_full_accept=gate,
+                                     pipeline_priced=priced,
                                      pipeline_branches=self.settings.pipeline_branches,
                                      stream_plain=self.settings.plain_streaming,
                                      feed_draft_every=self.settings.feed_draft_every,

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 from specdec.engine.alternatives import alternatives_for
 from specdec.engine.api import Proposal
 from specdec.engine.cycle_cost import beside_verify
+from specdec.generation.pipeline_price import PipelinePrice
 from specdec.generation.stats import SpeculationStats
 from specdec.generation.stopping import StopChecker
 from specdec.types import VerifyOutcome
@@ -92,6 +93,9 @@ class PipelinedDrafting:
         # pipeline until the session shows it does not pay.
         self.full_accept_rate = 1.0
         self.alternatives = alternatives_for(loop.settings.pipeline_branches)
+        # --pipelining auto: speculative drafts only while they pay for what they add to the verify
+        # beside them (pipeline_price.py); a request that asks for pipelining always gets it.
+        self.price = PipelinePrice() if loop.settings.pipeline_priced else None
 
     async def speculate(
         self, cursor: "SessionCursor", k: int, stats: SpeculationStats, stop: StopChecker
@@ -110,6 +114,8 @@ class PipelinedDrafting:
                 return None
         drafted_at = time.perf_counter()
         stats.draft_seconds += drafted_at - started
+        if self.price is not None and not drafted_ahead:
+            self.price.proposed(drafted_at - started)
         child_k = self._child_length(cursor, stop, proposal)
         outcome, child = await asyncio.gather(
             self._verify(cursor, proposal),
@@ -126,6 +132,9 @@ class PipelinedDrafting:
         if proposal.block.num_tokens:
             whole = float(outcome.num_accepted == proposal.block.num_tokens)
             self.full_accept_rate += FULL_ACCEPT_GAIN * (whole - self.full_accept_rate)
+        if self.price is not None:
+            self.price.verified(verified_at - drafted_at, beside=child_k > 0,
+                                hit=is_hit(proposal, outcome, child) if child_k > 0 else None)
         if child is not None:
             branch = matching_branch(proposal, outcome, child)
             hit = branch is not None
@@ -146,6 +155,8 @@ class PipelinedDrafting:
             return 0
         if self.full_accept_rate < self.loop.settings.pipeline_min_full_accept:
             return 0  # too few blocks are accepted whole for a speculative draft to pay
+        if self.price is not None and not self.price.draft_beside():
+            return 0  # it slows the verify beside it more than its hits save
         # As if drafted after the parent's verify: the parent's tokens and the bonus come first.
         return self.loop._draft_length(cursor, stop, ahead=parent.block.num_tokens + 1)
 

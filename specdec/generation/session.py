@@ -31,6 +31,10 @@ class LoopSettings:
     # Pipelining only while the session's recent share of wholly accepted blocks (an upper bound on
     # the hit rate) is at least this; 0: always. Misses cost draft work that may share the hardware.
     pipeline_min_full_accept: float = 0.0
+    # Pipelining only while the session's speculative drafts save more (hits x a Propose's time) than
+    # they add to the verify beside them (pipeline_price.py: a draft sharing the target's device
+    # slows it); off: always.
+    pipeline_priced: bool = False
     # Branches per speculative draft: 1 the main one (all accepted, the draft's own bonus guess); 2
     # adds a second bonus guess; 3 also all-but-last accepted (specdec.engine.alternatives).
     pipeline_branches: int = 1
