@@ -22,6 +22,7 @@ from specdec.errors import SessionNotFound, SpecDecError
 from specdec.generation import draft_opening
 from specdec.generation.loop import SpeculativeLoop
 from specdec.generation.session import GenerationResult, LoopSettings, SessionCursor
+from specdec.generation.pipeline_price import PipelinePrice
 from specdec.generation.shared_estimates import SharedEstimates, SharedEstimatesByRoute
 from specdec.generation.stats import SpeculationStats
 from specdec.generation.stopping import FinishReason, StopChecker
@@ -219,7 +220,7 @@ class Turn:
         loop_settings = LoopSettings(fixed or self.settings.num_draft_tokens, self.settings.retry_draft_after,
                                      adaptive=adaptive, max_draft_tokens=self.settings.max_adaptive_tokens,
                                      pipelining=pipelining, pipeline_min_full_accept=gate,
-                                     pipeline_priced=priced,
+                                     pipeline_price=self._pipeline_price() if priced and pipelining else None,
                                      pipeline_branches=self.settings.pipeline_branches,
                                      stream_plain=self.settings.plain_streaming,
                                      feed_draft_every=self.settings.feed_draft_every,
@@ -234,6 +235,13 @@ class Turn:
                 and self.plan.draft_endpoint is not None):
             return None
         return self.estimates.route(self.plan.target_endpoint, self.plan.draft_endpoint, pipelined)
+
+    def _pipeline_price(self) -> PipelinePrice:
+        """--pipelining auto's price: the route's, which every turn on it adds to, when there is a
+        draft service (else this turn's own)."""
+        if self.estimates is None or self.plan.draft_endpoint is None:
+            return PipelinePrice()
+        return self.estimates.price(self.plan.target_endpoint, self.plan.draft_endpoint)
 
     def _inner_draft(self) -> InnerDraft | None:
         """A speculative turn's drafts inside the target under --draft target:ngram / target:model:

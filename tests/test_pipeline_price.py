@@ -111,7 +111,7 @@ def test_auto_pipelining_drafts_sequentially_where_the_draft_slows_the_verify(ti
     samples; on hardware of its own it keeps pipelining. The tokens are the sequential loop's."""
     from specdec.generation.loop import SpeculativeLoop, start_generation
 
-    def generate(priced: bool | None):
+    def generate(priced: bool | None, price: PipelinePrice | None = None):
         target = TargetEngine(load_model(tiny, backend="native", num_slots=4, max_context=256))
         draft = DraftEngine(DraftModelProposer(load_model(tiny, backend="native", num_slots=4, max_context=256)))
         device = _Device(shared)
@@ -122,7 +122,8 @@ def test_auto_pipelining_drafts_sequentially_where_the_draft_slows_the_verify(ti
             stop = StopChecker(120, ())
             stop.check([first])
             settings = LoopSettings(num_draft_tokens=3, pipelining=priced is not None,
-                                    pipeline_min_full_accept=0.2, pipeline_priced=bool(priced))
+                                    pipeline_min_full_accept=0.2,
+                                    pipeline_price=price if priced else None)
 
             async def emit(tokens):
                 pass
@@ -134,13 +135,28 @@ def test_auto_pipelining_drafts_sequentially_where_the_draft_slows_the_verify(ti
         return asyncio.run(main())
 
     sequential, _ = generate(None)
-    priced, priced_stats = generate(True)
+    route = PipelinePrice()  # the coordinator's for this route, shared by its turns
+    priced, priced_stats = generate(True, route)
     always, always_stats = generate(False)
-    assert priced == always == sequential
+    again, again_stats = generate(True, route)  # a later turn on the same route starts decided
+    assert priced == always == sequential == again
     cycles = always_stats.cycles
     attempts = lambda stats: stats.pipeline_hits + stats.pipeline_misses  # noqa: E731
     assert attempts(always_stats) >= cycles - 3  # the unpriced gate drafts beside nearly every verify
     if shared:  # learning (3 of every 4 cycles until 3 sequential samples), then 1 in 16
         assert attempts(priced_stats) <= 3 * MIN_SAMPLES + priced_stats.cycles // 16 + 1
+        assert attempts(again_stats) <= again_stats.cycles // 16 + 1
     else:
         assert attempts(priced_stats) >= priced_stats.cycles - MIN_SAMPLES - priced_stats.cycles // 16 - 3
+        assert attempts(again_stats) >= again_stats.cycles - again_stats.cycles // 16 - 3
+
+
+def test_the_coordinator_keeps_one_price_per_target_and_draft():
+    from specdec.generation.shared_estimates import SharedEstimatesByRoute
+
+    routes = SharedEstimatesByRoute(max_routes=2)
+    first = routes.price("target:1", "draft:1")
+    assert routes.price("target:1", "draft:1") is first  # every turn on the route adds to it
+    assert routes.price("target:1", "draft:2") is not first  # another draft replica may sit elsewhere
+    routes.price("target:2", "draft:1")
+    assert len(routes.prices) == 2 and ("target:1", "draft:1") not in routes.prices  # the oldest goes

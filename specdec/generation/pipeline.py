@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING
 from specdec.engine.alternatives import alternatives_for
 from specdec.engine.api import Proposal
 from specdec.engine.cycle_cost import beside_verify
-from specdec.generation.pipeline_price import PipelinePrice
 from specdec.generation.stats import SpeculationStats
 from specdec.generation.stopping import StopChecker
 from specdec.types import VerifyOutcome
@@ -94,8 +93,9 @@ class PipelinedDrafting:
         self.full_accept_rate = 1.0
         self.alternatives = alternatives_for(loop.settings.pipeline_branches)
         # --pipelining auto: speculative drafts only while they pay for what they add to the verify
-        # beside them (pipeline_price.py); a request that asks for pipelining always gets it.
-        self.price = PipelinePrice() if loop.settings.pipeline_priced else None
+        # beside them (pipeline_price.py; the route's, shared by its turns); a request that asks for
+        # pipelining always gets it.
+        self.price = loop.settings.pipeline_price
 
     async def speculate(
         self, cursor: "SessionCursor", k: int, stats: SpeculationStats, stop: StopChecker

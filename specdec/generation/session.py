@@ -12,6 +12,7 @@ from typing import Awaitable, Callable, ContextManager
 
 from specdec.engine.api import InnerDraft
 from specdec.engine.cycle_cost import CycleCost
+from specdec.generation.pipeline_price import PipelinePrice
 from specdec.generation.shared_estimates import SharedEstimates
 from specdec.generation.stats import SpeculationStats
 from specdec.generation.stopping import FinishReason
@@ -31,10 +32,10 @@ class LoopSettings:
     # Pipelining only while the session's recent share of wholly accepted blocks (an upper bound on
     # the hit rate) is at least this; 0: always. Misses cost draft work that may share the hardware.
     pipeline_min_full_accept: float = 0.0
-    # Pipelining only while the session's speculative drafts save more (hits x a Propose's time) than
-    # they add to the verify beside them (pipeline_price.py: a draft sharing the target's device
-    # slows it); off: always.
-    pipeline_priced: bool = False
+    # Pipelining only while speculative drafts save more (hits x a Propose's time) than they add to
+    # the verify beside them (pipeline_price.py: a draft sharing the target's device slows it); the
+    # coordinator shares one per route. None: always.
+    pipeline_price: PipelinePrice | None = None
     # Branches per speculative draft: 1 the main one (all accepted, the draft's own bonus guess); 2
     # adds a second bonus guess; 3 also all-but-last accepted (specdec.engine.alternatives).
     pipeline_branches: int = 1

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from specdec.generation.pipeline_price import PipelinePrice
+
 
 @dataclass(frozen=True)
 class PolicyEstimates:
@@ -163,6 +165,18 @@ class SharedEstimatesByRoute:
 
     routes: dict[tuple[str, str, bool], SharedEstimates] = field(default_factory=dict)
     max_routes: int = 256  # a bound for coordinators whose replicas come and go
+    # --pipelining auto's price per (target, draft): whether a draft slows the verify beside it is
+    # the deployment's (one GPU for both, or two), so every turn on the route adds to one price and
+    # a new turn starts decided instead of learning it over its first dozen cycles.
+    prices: dict[tuple[str, str], PipelinePrice] = field(default_factory=dict)
+
+    def price(self, target: str, draft: str) -> PipelinePrice:
+        key = (target, draft)
+        if key not in self.prices:
+            if len(self.prices) >= self.max_routes:
+                self.prices.pop(next(iter(self.prices)))
+            self.prices[key] = PipelinePrice()
+        return self.prices[key]
 
     def route(self, target: str, draft: str, pipelined: bool) -> SharedEstimates:
         key = (target, draft, pipelined)
