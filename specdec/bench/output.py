@@ -144,6 +144,11 @@ def _overhead(m: dict) -> str:
     return f"{m['overhead_s_per_cycle'] * 1e3:.1f}ms {m['overhead_fraction']:.0%}"
 
 
+def _p50_p99(m: dict, stem: str, fmt: str = "{:.1f}", scale: float = 1e3) -> str:
+    """"p50/p99" of a metric (stem: "tpot" -> tpot_p50_s, tpot_p99_s), milliseconds by default."""
+    return f"{_f(m[f'{stem}_p50_s'], fmt, scale)}/{_f(m[f'{stem}_p99_s'], fmt, scale)}"
+
+
 def _batches(m: dict) -> str:
     """The target's batched steps during the method's run: "steps, rows per step, ms per step"."""
     batches = m.get("target_batches")
@@ -162,7 +167,7 @@ def tables(report: dict) -> str:
     for name, m in overall.items():
         if name.startswith("_"):
             continue
-        tpot = f"{_f(m['tpot_p50_s'], '{:.1f}', 1e3)}/{_f(m['tpot_p99_s'], '{:.1f}', 1e3)}"
+        tpot = _p50_p99(m, "tpot")
         lines.append(f"{name:<22} {_f(m['tokens_per_s'], '{:.1f}'):>7} {_f(m.get('speedup')):>7} "
                      f"{_f(m['ttft_p50_s'], '{:.0f}', 1e3):>5}ms {tpot:>16} {_f(m.get('alpha')):>6} "
                      f"{_f(m.get('mean_accepted_length')):>5} {_f(m.get('ideal')):>6} {_f(m.get('efficiency')):>5} "
@@ -187,9 +192,9 @@ def tables(report: dict) -> str:
                      f" {'overhead/cycle':>14} {'target steps, rows/step, ms':>28}")
         for level, table in sorted(report["concurrency"].items(), key=lambda kv: int(kv[0])):
             for name, m in table.items():
-                tpot = f"{_f(m['tpot_p50_s'], '{:.1f}', 1e3)}/{_f(m['tpot_p99_s'], '{:.1f}', 1e3)}"
                 lines.append(f"{level:<9} {name:<22} {_f(m['tokens_per_s'], '{:.1f}'):>7} "
-                             f"{_f(m.get('throughput_vs_plain')):>8} {tpot:>16} {_f(m['ttft_p50_s'], '{:.0f}', 1e3):>7}ms"
+                             f"{_f(m.get('throughput_vs_plain')):>8} {_p50_p99(m, 'tpot'):>16} "
+                             f"{_f(m['ttft_p50_s'], '{:.0f}', 1e3):>7}ms"
                              f" {_overhead(m):>14} {_batches(m):>28}{_rounds(m)}{_full(m)}")
     if report.get("arrivals"):
         lines.append("")
@@ -197,11 +202,10 @@ def tables(report: dict) -> str:
                      f"{'TTFT p50':>9} {'TPOT p50/p99 ms':>16} {'in flight':>9} {'waited':>6}")
         for rate, table in sorted(report["arrivals"].items(), key=lambda kv: float(kv[0])):
             for name, m in table.items():
-                e2e = f"{_f(m['e2e_p50_s'], '{:.1f}')}/{_f(m['e2e_p99_s'], '{:.1f}')}"
-                tpot = f"{_f(m['tpot_p50_s'], '{:.1f}', 1e3)}/{_f(m['tpot_p99_s'], '{:.1f}', 1e3)}"
                 lines.append(f"{rate:<7} {name:<22} {_f(m['achieved_rate']):>6} {_f(m['tokens_per_s'], '{:.1f}'):>7} "
-                             f"{e2e:>14} {_f(m.get('e2e_mean_vs_plain')):>8} "
-                             f"{_f(m['ttft_p50_s'], '{:.0f}', 1e3):>7}ms {tpot:>16} {_f(m['mean_in_flight'], '{:.1f}'):>9} "
+                             f"{_p50_p99(m, 'e2e', scale=1.0):>14} {_f(m.get('e2e_mean_vs_plain')):>8} "
+                             f"{_f(m['ttft_p50_s'], '{:.0f}', 1e3):>7}ms {_p50_p99(m, 'tpot'):>16} "
+                             f"{_f(m['mean_in_flight'], '{:.1f}'):>9} "
                              f"{_f(m['waited_share'], '{:.0%}', 1):>6}")
         lines.append("(open loop: latency from arrival; 'vs plain' = mean end-to-end time against plain decoding's "
                      "at the same arrivals, below 1 is faster)")
