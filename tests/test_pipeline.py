@@ -411,8 +411,9 @@ def test_the_full_acceptance_gate_stops_and_keeps_pipelining(tiny_dirs):
             assert attempts >= stats.cycles - 5
 
 
-@pytest.mark.parametrize("flag, pipelining, gate", [("off", False, 0.0), ("on", True, 0.0), ("auto", True, 0.2)])
-def test_coordinator_pipelining_flag(flag, pipelining, gate):
+@pytest.mark.parametrize("flag, pipelining, gate, priced",
+                         [("off", False, 0.0, False), ("on", True, 0.0, False), ("auto", True, 0.2, True)])
+def test_coordinator_pipelining_flag(flag, pipelining, gate, priced):
     import argparse
 
     from coordinator.settings import add_arguments, settings_from_args
@@ -423,3 +424,4 @@ def test_coordinator_pipelining_flag(flag, pipelining, gate):
                               "--draft-plaintext", "--pipelining", flag])
     settings = settings_from_args(args)
     assert (settings.pipelining, settings.pipelining_min_full_accept) == (pipelining, gate)
+    assert settings.pipelining_priced is priced  # only auto prices speculative drafts (pipeline_price.py)
