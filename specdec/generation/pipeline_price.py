@@ -12,9 +12,11 @@ that; this price can:
     pipeline while  hit rate x (an ordinary Propose's wall time)  >=  (the verify's wall time with a
                     speculative draft beside it) - (its wall time alone)
 
-each term a moving average over the session's own cycles. To keep both verify times current, one
-cycle in `every` does what the current choice does not (a sequential cycle while pipelining, a
-pipelined one while not), one in `first_every` until each side has a few samples.
+each term a moving average over the cycles of the turns that share the price (the coordinator keeps
+one per (target, draft) route: where the draft runs is the deployment's, not the turn's). To keep
+both verify times current, one cycle in `every` does what the current choice does not (a sequential
+cycle while pipelining, a pipelined one while not), one in `first_every` until each side has a few
+samples. Pure bookkeeping: the caller times the calls.
 """
 
 from __future__ import annotations
