@@ -84,6 +84,9 @@ def test_bench_runs_end_to_end_and_writes_the_report_and_the_plot(models, tmp_pa
     assert arrival["plain"]["requests"] == 3 and arrival["specdec-draft"]["requests"] == 3
     assert arrival["specdec-draft"]["e2e_mean_vs_plain"] > 0 and arrival["plain"]["mean_in_flight"] > 0
     assert report["meta"]["arrivals"]["max_sessions"] == 2 and "done/s" in result.stdout
+    for part, level in (("concurrency", "2"), ("arrivals", "20")):  # batched with others, as alone
+        for name, m in report[part][level].items():
+            assert m["lossless_fraction"] == 1.0 and m["lossless_checked"] >= 2, (part, name)
     arrived = [r for r in report["requests"] if r["phase"] == "arrival" and r["method"] == "plain"]
     assert min(r["client_wait_s"] for r in arrived) < 1e-3  # the first arrival found a free session
     # The target's batched steps during each method's run at 2 sessions: 2 requests of 12 tokens,

@@ -91,3 +91,22 @@ def test_the_report_gives_latency_from_arrival_against_plain_at_the_same_rate():
     # Other phases' requests are not counted.
     other = RequestResult("plain", "q", "c", [1], 3, 0.1, 0.1, phase="concurrency", concurrency=2)
     assert arrivals.report([other], ["plain"]) == {}
+
+
+def test_outputs_under_load_are_checked_against_plain_decoding_alone():
+    """The concurrency and open-loop phases report each method's share of outputs equal to plain
+    decoding's at batch 1, and the printed tables warn where one differs."""
+    from specdec.bench.output import _lossless_under_load, tables
+
+    def request(method, tokens, phase="arrival"):
+        return RequestResult(method, "q1", "c", tokens, 3, 0.1, 1.0, phase=phase, rate=0.5)
+
+    results = [request("plain", [1, 2, 3], phase="batch1"), request("plain", [1, 2, 3]),
+               request("specdec-draft", [1, 2, 3]), request("specdec-draft", [1, 2, 4])]
+    section = arrivals.report(results, ["plain", "specdec-draft"])
+    _lossless_under_load(results, section, arrivals.PHASE, lambda r: f"{r.rate:g}")
+    assert section["0.5"]["plain"]["lossless_fraction"] == 1.0
+    assert section["0.5"]["specdec-draft"]["lossless_fraction"] == 0.5
+    assert section["0.5"]["specdec-draft"]["differing_prompts"] == ["q1"]
+    report = {"batch1": {"overall": {}, "by_category": {}}, "arrivals": section}
+    assert "WARNING arrivals 0.5 specdec-draft: 50% of outputs equal" in tables(report)

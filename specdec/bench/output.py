@@ -7,7 +7,7 @@ import statistics
 
 from specdec.bench import arrivals, target_batches
 from specdec.bench.methods import RequestResult, is_service, is_speculative
-from specdec.bench.report import batch1_report, concurrency_report, goals, group_metrics, phase_table
+from specdec.bench.report import batch1_report, concurrency_report, goals, group_metrics, lossless, phase_table
 from specdec.bench.runner import Bench, Collected
 from specdec.bench.timing import StepTimes
 
@@ -58,11 +58,28 @@ def sections(results: list[RequestResult], times: list[StepTimes], methods: list
         for name, counts in table.items():
             if name in arrival.get(rate, {}):
                 arrival[rate][name]["target_batches"] = target_batches.summary(counts)
+    _lossless_under_load(results, concurrency, "concurrency", lambda r: str(r.concurrency))
+    _lossless_under_load(results, arrival, arrivals.PHASE, lambda r: f"{r.rate:g}")
     floor = notes.get("floor")
     return {"batch1": batch1, "concurrency": concurrency, "netem": netem, "arrivals": arrival,
             "goals": goals(batch1, concurrency, floor),
             "did_not_speculate": did_not_speculate(batch1["overall"]),
             "floor": {"target": floor, "draft": notes.get("floor_draft")} if floor else None}
+
+
+def _lossless_under_load(results: list[RequestResult], section: dict, phase: str, level_of) -> None:
+    """Every method's outputs under load against plain decoding's at batch 1 (else the same phase's),
+    token for token: rows batched with other sessions, at other positions and draft lengths, must
+    decode exactly as alone (greedy)."""
+    reference = [r for r in results if r.phase == "batch1" and r.method == "plain"] or \
+        [r for r in results if r.phase == phase and r.method == "plain"]
+    if not reference:
+        return
+    for level, table in section.items():
+        for name, m in table.items():
+            rows = [r for r in results if r.phase == phase and r.method == name and level_of(r) == level]
+            if rows:
+                m.update(lossless(rows, reference))
 
 
 def recompute(report: dict) -> dict:
@@ -209,6 +226,12 @@ def tables(report: dict) -> str:
                              f"{_f(m['waited_share'], '{:.0%}', 1):>6}")
         lines.append("(open loop: latency from arrival; 'vs plain' = mean end-to-end time against plain decoding's "
                      "at the same arrivals, below 1 is faster)")
+    for part in ("concurrency", "arrivals"):
+        for level, table in (report.get(part) or {}).items():
+            for name, m in table.items():
+                if m.get("lossless_fraction") is not None and m["lossless_fraction"] < 1.0:
+                    lines.append(f"WARNING {part} {level} {name}: {m['lossless_fraction']:.0%} of outputs equal plain "
+                                 f"decoding's at batch 1 (differing prompts {m['differing_prompts']})")
     if report.get("netem"):
         lines.append("")
         lines.append(f"network delay ({report['netem']['network']['mode']}), batch 1:")
