@@ -149,6 +149,9 @@ def test_auto_pipelining_drafts_sequentially_where_the_draft_slows_the_verify(ti
     else:
         assert attempts(priced_stats) >= priced_stats.cycles - MIN_SAMPLES - priced_stats.cycles // 16 - 3
         assert attempts(again_stats) >= again_stats.cycles - again_stats.cycles // 16 - 3
+        # Sequential samples come only from the cycles the price chose: not from the answer's last
+        # blocks, which the budget leaves without a child (shorter, so a biased "alone").
+        assert route.samples["alone"] <= MIN_SAMPLES + route.cycles // 16
 
 
 def test_the_coordinator_keeps_one_price_per_target_and_draft():

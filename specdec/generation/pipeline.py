@@ -96,6 +96,7 @@ class PipelinedDrafting:
         # beside them (pipeline_price.py; the route's, shared by its turns); a request that asks for
         # pipelining always gets it.
         self.price = loop.settings.pipeline_price
+        self._priced: bool | None = None
 
     async def speculate(
         self, cursor: "SessionCursor", k: int, stats: SpeculationStats, stop: StopChecker
@@ -116,6 +117,7 @@ class PipelinedDrafting:
         stats.draft_seconds += drafted_at - started
         if self.price is not None and not drafted_ahead:
             self.price.proposed(drafted_at - started)
+        self._priced = None  # the price's choice for this cycle, if the other gates asked it
         child_k = self._child_length(cursor, stop, proposal)
         outcome, child = await asyncio.gather(
             self._verify(cursor, proposal),
@@ -132,7 +134,9 @@ class PipelinedDrafting:
         if proposal.block.num_tokens:
             whole = float(outcome.num_accepted == proposal.block.num_tokens)
             self.full_accept_rate += FULL_ACCEPT_GAIN * (whole - self.full_accept_rate)
-        if self.price is not None:
+        # Only cycles the price decided are its samples: a block the other gates or the budget left
+        # without a child (hard text, a shorter block, the answer's end) would bias "alone".
+        if self.price is not None and self._priced is not None and (child_k > 0 or not self._priced):
             self.price.verified(verified_at - drafted_at, beside=child_k > 0,
                                 hit=is_hit(proposal, outcome, child) if child_k > 0 else None)
         if child is not None:
@@ -155,8 +159,10 @@ class PipelinedDrafting:
             return 0
         if self.full_accept_rate < self.loop.settings.pipeline_min_full_accept:
             return 0  # too few blocks are accepted whole for a speculative draft to pay
-        if self.price is not None and not self.price.draft_beside():
-            return 0  # it slows the verify beside it more than its hits save
+        if self.price is not None:
+            self._priced = self.price.draft_beside()
+            if not self._priced:
+                return 0  # it slows the verify beside it more than its hits save
         # As if drafted after the parent's verify: the parent's tokens and the bonus come first.
         return self.loop._draft_length(cursor, stop, ahead=parent.block.num_tokens + 1)
 
