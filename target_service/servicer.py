@@ -39,7 +39,7 @@ from specdec.engine.draft import DraftEngine
 from specdec.engine.goodput import DraftTrimmer, run_trimmed_batch
 from specdec.engine.inner_draft import Drafter, InnerDraftResult, LookupDrafter, ModelDrafter, run_inner_step
 from specdec.engine.target import TargetEngine
-from specdec.engine.target_stream import decode_step_stream, decode_steps
+from specdec.engine.target_stream import DecodeStepper, decode_steps
 from specdec.errors import InvalidArgument
 from specdec.generation.inner_adaptive import AdaptiveDraftLength
 from specdec.generation.shared_estimates import SharedEstimatesByRoute
@@ -210,17 +210,15 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
                     "specdec.num_appended_tokens": len(appended), "specdec.num_tokens": request.num_tokens,
                     "specdec.lookup_draft_tokens": request.lookup_draft_tokens})
         drafter = self._drafter(session_id, request)
-        steps = decode_step_stream(self.batcher, session_id, request.position, request.num_tokens, appended,
-                                   request.stop_token_ids, drafter)
-        stream = self._streams[session_id] = _Stream()
+        stepper = DecodeStepper(self.batcher, session_id, request.position, request.num_tokens, appended,
+                                request.stop_token_ids, drafter)
+        stream = self._streams[session_id] = _Stream(stepper)
         position, generated = request.position + len(appended), 0
         try:
-            stream.next_step(steps)
-            while stream.step is not None:
+            stream.next_step()
+            while stream.pending:
                 try:
-                    step = await stream.step
-                except StopAsyncIteration:
-                    break
+                    step = await stepper.result()
                 except asyncio.CancelledError:
                     if stream.ended:  # another call of the session ended it (see the module's doc)
                         break
@@ -229,7 +227,11 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
                     break
                 position += len(step.tokens)
                 generated += len(step.tokens)
-                stream.next_step(steps)  # the next step runs while this one's tokens are written
+                stream.next_step()  # the next step runs while this one's tokens are written
+                # Let the other streams woken by the same step queue their next steps before this
+                # one builds and writes its response: the batcher starts that step once they are all
+                # queued, and the responses are written while it runs.
+                await asyncio.sleep(0)
                 response = target_pb2.TargetServiceDecodeStreamResponse(
                     token_ids=step.tokens, position=position, draft_limit=self._draft_limit(session_id),
                     timing=server_timing_to_proto(step.cost.model_ns, step.cost.queued_ns, started_ns),
@@ -379,18 +381,19 @@ def _end_all(engine: DraftEngine, session_ids: list[str]) -> None:
 
 
 class _Stream:
-    """A DecodeStream in progress: the task of its next step (None once it ended)."""
+    """A DecodeStream in progress: its stepper, and whether another call of the session ended it."""
 
-    def __init__(self) -> None:
-        self.step: asyncio.Task | None = None
+    def __init__(self, stepper: DecodeStepper) -> None:
+        self.stepper = stepper
+        self.pending = False  # a step is queued or running
         self.ended = False
 
-    def next_step(self, steps) -> None:
-        self.step = None if self.ended else asyncio.ensure_future(anext(steps))
+    def next_step(self) -> None:
+        self.pending = not self.ended and self.stepper.submit()
 
     def end(self) -> None:
-        """No further step: one still queued in the batcher is dropped (cancelling the task cancels
-        the future it awaits at once, and the batcher skips cancelled work)."""
+        """No further step: one still queued in the batcher is dropped (cancelling its future, which
+        the batcher then skips; a handler awaiting it sees CancelledError with `ended` set)."""
         self.ended = True
-        if self.step is not None and not self.step.done():
-            self.step.cancel()
+        self.pending = False
+        self.stepper.cancel()

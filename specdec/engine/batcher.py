@@ -92,6 +92,11 @@ class Batcher(Generic[W, R]):
 
     async def submit_timed(self, work: W) -> tuple[R, StepTiming]:
         """As submit, with what the work cost: its step's time on the model thread, its wait."""
+        return await self.enqueue(work)
+
+    def enqueue(self, work: W) -> "asyncio.Future[tuple[R, StepTiming]]":
+        """Queue `work` for the next step now, without a hop through the event loop: the future of
+        submit_timed's answer. Cancelling it before its step starts drops the work."""
         if self._closed:
             raise ServiceUnavailable("the service is shutting down")
         future = asyncio.get_running_loop().create_future()
@@ -99,7 +104,7 @@ class Batcher(Generic[W, R]):
         self._queue.append((work, future, time.perf_counter_ns()))
         self._start_worker()
         self._wakeup.set()
-        return await future
+        return future
 
     def forget(self, key: object) -> None:
         """The session ended: no step waits for its next work."""

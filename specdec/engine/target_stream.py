@@ -8,6 +8,7 @@ waits for the caller's round trip.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Collection, Sequence
 
@@ -59,37 +60,92 @@ async def decode_step_stream(
     stop_token_ids: Collection[int] = (),
     drafter: Drafter | None = None,
 ) -> AsyncIterator[StreamStep]:
-    """Each step as soon as it ends; the next step is submitted when the consumer asks for it. The
-    first step commits append_token_ids and checks that the whole budget fits the context (as
-    engine.decode does); decoding ends after num_tokens tokens or right after a stop token (which is
-    committed, like the others). num_tokens 0: one step that only commits.
+    """DecodeStepper's steps, each as soon as it ends; the next step is submitted when the consumer
+    asks for it, and one left queued when the consumer stops is dropped."""
+    stepper = DecodeStepper(batcher, session_id, position, num_tokens, append_token_ids, stop_token_ids, drafter)
+    try:
+        while stepper.submit():
+            yield await stepper.result()
+    finally:
+        stepper.cancel()
+
+
+class DecodeStepper:
+    """A session's decoding as batched steps, one at a time: submit() queues the next step's work at
+    once (no task to schedule first: under load every session's next work is queued in the first
+    pass of the event loop after a step, so the batcher starts the next step sooner), result()
+    awaits it. The first step commits append_token_ids and checks that the whole budget fits the
+    context (as engine.decode does); decoding ends after num_tokens tokens or right after a stop
+    token (which is committed, like the others). num_tokens 0: one step that only commits.
 
     drafter, if given, drafts for each step after the first (inside the target: prompt lookup or
     the hosted draft model, specdec.engine.inner_draft); a step with a draft verifies it and commits
     the accepted tokens and the next one, a step without one decodes one token. Drafts stop one
     token short of the budget, so no step runs past it."""
-    stop = frozenset(stop_token_ids)
-    first = DecodeWork(session_id, position, tuple(int(t) for t in append_token_ids),
-                       num_tokens=min(num_tokens, 1), room=num_tokens)
-    tokens, cost = await batcher.submit_timed(first)
-    yield StreamStep(tokens, cost)
-    generated = len(tokens)
-    position += len(first.append_token_ids) + generated
-    while generated < num_tokens and tokens[-1] not in stop:
-        left = num_tokens - generated
-        work = drafter.work(session_id, position, left - 1) if drafter is not None and left > 1 else None
+
+    def __init__(self, batcher: Batcher, session_id: str, position: int, num_tokens: int,
+                 append_token_ids: Sequence[int] = (), stop_token_ids: Collection[int] = (),
+                 drafter: Drafter | None = None):
+        self.batcher, self.session_id, self.num_tokens, self.drafter = batcher, session_id, num_tokens, drafter
+        self.stops = frozenset(stop_token_ids)
+        self.append_token_ids = tuple(int(t) for t in append_token_ids)
+        self.position = position + len(self.append_token_ids)  # where the next step's tokens go
+        self.generated = 0
+        self.last_token: int | None = None
+        self._work = None  # the pending step's work, None when no step is pending
+        self._pending: asyncio.Future | None = None
+
+    @property
+    def done(self) -> bool:
+        """No step is left to run: the budget is spent or the last step ended with a stop token."""
+        started = self.last_token is not None
+        return started and (self.generated >= self.num_tokens or self.last_token in self.stops)
+
+    def submit(self) -> bool:
+        """Queue the next step (if none is pending and the stream is not done); whether one is pending."""
+        if self._pending is not None:
+            return True
+        if self.done:
+            return False
+        if self.last_token is None:  # the first step: commits the appended tokens
+            work = DecodeWork(self.session_id, self.position - len(self.append_token_ids), self.append_token_ids,
+                              num_tokens=min(self.num_tokens, 1), room=self.num_tokens)
+        else:
+            left = self.num_tokens - self.generated
+            work = self.drafter.work(self.session_id, self.position, left - 1) \
+                if self.drafter is not None and left > 1 else None
+            if work is None:
+                work = DecodeWork(self.session_id, self.position, num_tokens=1, room=left)
+        self._work, self._pending = work, self.batcher.enqueue(work)
+        return True
+
+    async def result(self) -> StreamStep:
+        """The pending step, once it ran (submit() first)."""
+        work, pending = self._work, self._pending
+        try:
+            result, cost = await pending
+        finally:
+            self._work = self._pending = None
+        first = self.last_token is None
         outcome = draft_cost = None
-        if work is not None:
-            result, cost = await batcher.submit_timed(work)
-            outcome, draft, draft_cost = drafter.verified(work, result)
+        if isinstance(work, DecodeWork):
+            tokens = result
+        else:
+            outcome, draft, draft_cost = self.drafter.verified(work, result)
             if draft_cost is not None:  # drafting ran inside the step: its time is the draft's, not the target's
                 cost = StepTiming(max(0, cost.model_ns - draft_cost.model_ns), cost.queued_ns)
             tokens = draft.token_ids[: outcome.num_accepted].tolist() + [outcome.next_token]
-        else:
-            tokens, cost = await batcher.submit_timed(DecodeWork(session_id, position, num_tokens=1, room=left))
         step = StreamStep(tokens, cost, outcome, draft_cost)
-        if drafter is not None:
-            drafter.stepped(step)  # what its length rule learns from (inner_length)
-        yield step
-        generated += len(tokens)
-        position += len(tokens)
+        if self.drafter is not None and not first:
+            self.drafter.stepped(step)  # what its length rule learns from (inner_length)
+        self.generated += len(tokens)
+        self.position += len(tokens)
+        # A step that only commits (num_tokens 0) ends the stream with no token: mark it started.
+        self.last_token = tokens[-1] if tokens else -1
+        return step
+
+    def cancel(self) -> None:
+        """Drop the pending step if it has not started (one already running finishes: its caller's
+        Truncate undoes it)."""
+        if self._pending is not None and not self._pending.done():
+            self._pending.cancel()
