@@ -14,7 +14,9 @@ Decode is a sequence of one-token steps, each joining a batch. StartSession (pre
 EndSession run on the same model thread directly.
 
 DecodeStream streams a multi-token Decode token by token, and submits each next step before it
-writes the token just made, so the model never waits for the caller's round trip. A caller that
+writes the token just made, so the model never waits for the caller's round trip; the streams woken
+by one step all submit their next before any builds its response, so the model does not wait for
+the responses either. A caller that
 stops reading early (a stop sequence) cancels the stream and truncates; since it cannot know how far
 the stream got, every other call of the session first ends the session's stream (end_stream): its
 step still queued is dropped, and a step already on the model thread finishes before the new call's
