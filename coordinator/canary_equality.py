@@ -9,14 +9,14 @@ early EOS on either side shows up as a divergence).
 
 The rule is specdec.generation.equality.compare_outputs. With fp32 targets on both sides it is exact:
 any divergence is a failure. In bf16/fp16 a near-tie may flip between a multi-token verify and a
-one-token decode; telling it from a bug takes the target's logits at the divergence (`rescorer`,
-NextLogits over the shared prefix). The target service has no RPC that returns logits, so without a
-rescorer such a divergence is UNSCORED: counted, and a rollback only when too many are (policy).
+one-token decode; telling it from a bug takes the target's logits at the divergence: the baseline
+target scores both tokens after the shared prefix (ScoreTokens), and a gap below tie_threshold is a
+TIE, anything else FAILED. A target too old to score (or failing to) leaves the divergence UNSCORED:
+counted, and a rollback only when too many are (policy).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import uuid
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from opentelemetry import trace
 
 from specdec.errors import ServiceUnavailable, SessionNotFound
-from specdec.generation.equality import NextLogits, compare_outputs
+from specdec.generation.equality import DEFAULT_TIE_THRESHOLD, EqualityReport, compare_outputs, rescored
 from specdec.sampling.params import SamplingMode
 from specdec.store import SessionStore
 
@@ -50,9 +50,9 @@ class Replay:
 
 class EqualityChecker:
     def __init__(self, sessions: SessionStore, router: Router, tracer: trace.Tracer, *,
-                 rescorer: NextLogits | None = None, tie_threshold: float = 0.05):
+                 tie_threshold: float = DEFAULT_TIE_THRESHOLD):
         self.sessions, self.router, self.tracer = sessions, router, tracer
-        self.rescorer, self.tie_threshold = rescorer, tie_threshold
+        self.tie_threshold = tie_threshold
 
     async def check(self, replay: Replay) -> dict | None:
         """The check's record (see docs/CANARY.md), or None when the turn does not qualify."""
@@ -83,17 +83,15 @@ class EqualityChecker:
             return {"result": EqualityResult.ERROR.value, "baseline_target": endpoint, "detail": str(exc)}
         except Exception as exc:  # noqa: BLE001 - a replay that fails says nothing about equality
             return {"result": EqualityResult.ERROR.value, "baseline_target": endpoint, "detail": repr(exc)}
-        rescorer = None if exact else self.rescorer
-        if rescorer is not None:
-            report = await asyncio.to_thread(compare_outputs, prompt, candidate, reference, rescorer,
-                                             self.tie_threshold)
-        else:
-            report = compare_outputs(prompt, candidate, reference)
+        report = compare_outputs(prompt, candidate, reference)
+        scored = exact
+        if not (exact or report.equal) and report.divergence < min(len(candidate), len(reference)):
+            report, scored = await self._rescore(endpoint, prompt, candidate, reference, report)
         if report.equal:
             result = EqualityResult.EQUAL
         elif report.tie:
             result = EqualityResult.TIE
-        elif exact or rescorer is not None:
+        elif scored:
             result = EqualityResult.FAILED
         else:
             result = EqualityResult.UNSCORED
@@ -104,6 +102,19 @@ class EqualityChecker:
             out["detail"] = (f"session {session_id} token {i}: speculative {candidate[i]}, "
                              f"plain decoding {reference[i] if i < len(reference) else None}")
         return out
+
+    async def _rescore(self, endpoint: str, prompt: list[int], candidate: list[int], reference: list[int],
+                       report: EqualityReport) -> tuple[EqualityReport, bool]:
+        """The divergence judged by the baseline target's logits of both tokens after the shared
+        prefix (ScoreTokens); (the report unchanged, False) where it cannot be (an older target)."""
+        i = report.divergence
+        try:
+            (candidate_logit, reference_logit), _ = await self.router.target(endpoint).score_tokens(
+                prompt + reference[:i], [candidate[i], reference[i]])
+        except Exception as exc:  # noqa: BLE001 - unscored, not failed: the policy counts those apart
+            log.warning("canary equality check: could not re-score a divergence on %s: %r", endpoint, exc)
+            return report, False
+        return rescored(report, candidate_logit, reference_logit, self.tie_threshold), True
 
     async def _plain(self, endpoint: str, prompt: list[int], n: int, params) -> list[int]:
         """n tokens of plain decoding after `prompt` on a baseline target, in a throwaway session."""

@@ -182,6 +182,14 @@ class TargetClient(ServiceClient):
         finally:
             call.cancel()  # a no-op once the stream ended
 
+    async def score_tokens(self, token_ids: Sequence[int], candidate_token_ids: Sequence[int]) -> tuple[list[float], int]:
+        """The target's logits for each candidate after token_ids, and its greedy token there
+        (ScoreTokens: a prefill in a throwaway session)."""
+        request = target_pb2.TargetServiceScoreTokensRequest(token_ids=list(token_ids),
+                                                             candidate_token_ids=list(candidate_token_ids))
+        response = await self._call(self._stub.ScoreTokens, request)
+        return list(response.logits), response.greedy_token_id
+
     async def describe(self) -> TargetDescription:
         msg = (await self._call(self._stub.GetInfo, target_pb2.TargetServiceGetInfoRequest())).model
         return TargetDescription(model=model_info_from_proto(msg), **ServiceDescription.fields_from_proto(msg))

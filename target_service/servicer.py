@@ -301,6 +301,12 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
         if stream is not None:
             stream.end()
 
+    async def ScoreTokens(self, request, context):
+        tokens, candidates = list(request.token_ids), list(request.candidate_token_ids)
+        annotate(**{"specdec.num_prompt_tokens": len(tokens), "specdec.num_candidates": len(candidates)})
+        logits, greedy = await self._step("score", len(tokens), self.engine.score, tokens, candidates)
+        return target_pb2.TargetServiceScoreTokensResponse(logits=logits, greedy_token_id=greedy)
+
     async def GetInfo(self, request, context):
         model = self.engine.model
         info = model_info_to_proto(

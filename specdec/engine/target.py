@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+import uuid
 from typing import Callable, Iterator, Sequence
 
 import torch
@@ -19,11 +20,13 @@ from specdec.errors import CacheFull, ContextOverflow, InvalidArgument, Position
 from specdec.models.base import CausalLM, ModelInfo
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.verify import sample_next, verify_block
+from specdec.sampling.warp import greedy_token
 from specdec.types import DraftBlock, VerifyOutcome
 
 # Test-only faults (TargetEngine(fault_injection=...)): deliberate verification bugs, so that tests
 # can show the canary's equality check catching one. Never set in production.
 FAULTS = ("wrong-bonus",)  # wrong-bonus: every bonus token is replaced by the next token id
+MAX_SCORED_TOKENS = 64  # candidates one score() call may ask for
 
 
 class TargetEngine:
@@ -114,6 +117,23 @@ class TargetEngine:
 
     def end_session(self, session_id: str) -> bool:
         return self._drop(session_id)
+
+    def score(self, token_ids: Sequence[int], candidate_token_ids: Sequence[int]) -> tuple[list[float], int]:
+        """The logits of the candidates at the position after token_ids, and the greedy token there:
+        a prefill of token_ids in a throwaway session (it may evict an idle session's cache, as a
+        new session would; the evicted session re-feeds its tokens when next used)."""
+        tokens = self._check_tokens(token_ids, room=1)
+        candidates = [int(t) for t in candidate_token_ids]
+        if not 1 <= len(candidates) <= MAX_SCORED_TOKENS:
+            raise InvalidArgument(f"score 1 to {MAX_SCORED_TOKENS} candidate tokens, got {len(candidates)}")
+        self._check_ids(candidates)
+        state = self.sessions.add(SessionState(f"score-{uuid.uuid4().hex}", SamplingParams(), tokens))
+        try:
+            with self._in_use(state):
+                logits = self._forward(state, [], num_logits=1)[-1].float()
+        finally:
+            self._drop(state.session_id)
+        return logits[candidates].tolist(), greedy_token(logits)
 
     def inject_fault(self, outcome: VerifyOutcome) -> VerifyOutcome:
         """TEST ONLY: the outcome as the configured fault corrupts it (unchanged without a fault).

@@ -9,6 +9,7 @@ a logit gap below `tie_threshold` is a numerical tie (counted, reported), anythi
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -16,6 +17,8 @@ import torch
 
 # Returns the target's logits [vocab] for the next token after the given prefix.
 NextLogits = Callable[[Sequence[int]], torch.Tensor]
+# Logit gap below which two tokens at a divergence count as a numerical tie (bf16 / fp16).
+DEFAULT_TIE_THRESHOLD = 0.05
 
 
 @dataclass(frozen=True)
@@ -47,5 +50,13 @@ def compare_outputs(
     if next_logits is None or tie_threshold <= 0.0:
         return EqualityReport(False, False, divergence, None)
     logits = next_logits(list(prompt_ids) + list(reference[:divergence])).float()
-    gap = abs(float(logits[candidate[divergence]] - logits[reference[divergence]]))
-    return EqualityReport(False, gap < tie_threshold, divergence, gap)
+    return rescored(EqualityReport(False, False, divergence, None), float(logits[candidate[divergence]]),
+                    float(logits[reference[divergence]]), tie_threshold)
+
+
+def rescored(report: EqualityReport, candidate_logit: float, reference_logit: float,
+             tie_threshold: float = DEFAULT_TIE_THRESHOLD) -> EqualityReport:
+    """A divergence judged by the target's logits of the two tokens at it (the reference's prefix
+    before it): a gap below tie_threshold is a numerical tie."""
+    gap = abs(candidate_logit - reference_logit)
+    return dataclasses.replace(report, tie=gap < tie_threshold, logit_gap=gap)

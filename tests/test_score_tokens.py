@@ -1,0 +1,128 @@
+"""TargetService.ScoreTokens over real gRPC (the servicer on a real server in the test's process, a
+tiny random model): the logits of candidate tokens after a sequence are the model's own, the greedy
+token is plain decoding's, bad input gets INVALID_ARGUMENT with what is allowed, and sessions are
+left as they were, including one whose cache the throwaway session evicts."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+
+import grpc
+import pytest
+import torch
+
+from inprocess_target import hosted
+from service_procs import tiny_model_dir
+from specdec import errors
+from specdec.models.loader import load_model
+from specdec.rpc import target_pb2
+from specdec.sampling.params import SamplingParams
+from target_service.servicer import TargetServicer
+
+PROMPT = [1, 5, 9, 12, 5, 9, 33, 7]
+CONTEXT = 64
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return tiny_model_dir(tmp_path_factory.getbasetemp(), "target", seed=0)
+
+
+def _next_logits(target_dir, tokens: list[int]) -> torch.Tensor:
+    model = load_model(target_dir, backend="native", num_slots=1, max_context=CONTEXT)
+    slot = model.allocate()
+    return model.forward([slot], [tokens], [1])[0][-1].float()
+
+
+async def test_scores_are_the_models_logits_and_the_greedy_token_plain_decodings(target_dir):
+    want = _next_logits(target_dir, PROMPT)
+    candidates = [0, 3, int(want.argmax()), 255]
+    async with hosted(target_dir, TargetServicer, num_slots=1, max_context=CONTEXT) as (target, _):
+        logits, greedy = await target.score_tokens(PROMPT, candidates)
+        assert logits == pytest.approx(want[candidates].tolist(), abs=1e-5)
+        assert greedy == int(want.argmax())
+        # The same token a session's plain decoding commits after the prompt.
+        _, first = await target.start_session("s", PROMPT, SamplingParams())
+        assert first == greedy
+
+
+async def test_a_session_evicted_by_the_scoring_decodes_on_unchanged(target_dir):
+    async with hosted(target_dir, TargetServicer, num_slots=1, max_context=CONTEXT) as (target, servicer):
+        position, first = await target.start_session("s", PROMPT, SamplingParams())
+        before = servicer.engine.evictions
+        await target.score_tokens([2, 4, 6], [1])  # one slot: the idle session's cache is evicted
+        assert servicer.engine.evictions == before + 1 and len(servicer.engine.sessions) == 1
+        got = await target.decode("s", position, 3)
+        want = _next_logits(target_dir, PROMPT + [first])
+        assert got[0] == int(want.argmax())
+
+
+@pytest.mark.parametrize("tokens, candidates, message", [
+    ([], [1], "token_ids must not be empty"),
+    (PROMPT, [], "1 to 64 candidate tokens"),
+    (PROMPT, list(range(65)), "1 to 64 candidate tokens"),
+    (PROMPT, [256], "token ids must be in [0, 256)"),
+    ([1] * CONTEXT, [1], "leave no room in the context length 64"),
+])
+async def test_bad_input_gets_invalid_argument_and_says_what_is_allowed(target_dir, tokens, candidates, message):
+    async with hosted(target_dir, TargetServicer, num_slots=2, max_context=CONTEXT) as (target, servicer):
+        await target.start_session("s", PROMPT, SamplingParams())
+        with pytest.raises(errors.InvalidArgument, match=re.escape(message)):
+            await target.score_tokens(tokens, candidates)
+        assert [s.session_id for s in servicer.engine.sessions] == ["s"]  # no throwaway session left behind
+        request = target_pb2.TargetServiceScoreTokensRequest(token_ids=tokens, candidate_token_ids=candidates)
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await target._stub.ScoreTokens(request)
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+class _BaselineRouter:
+    """The canary checker's view of the baseline pool: one target, described as bf16 (so that a
+    divergence needs re-scoring); the target itself is real, over gRPC."""
+
+    def __init__(self, client):
+        self.client = client
+
+    async def choose_target(self, pool):
+        return "baseline:0"
+
+    def target(self, endpoint):
+        return self.client
+
+    def failed(self, endpoint):
+        raise AssertionError(f"the replay on {endpoint} should not fail")
+
+    async def describe(self, role, endpoint):
+        description = await self.client.describe()
+        return dataclasses.replace(description, model=dataclasses.replace(description.model, dtype="bfloat16"))
+
+
+class _OlderTarget(TargetServicer):
+    async def ScoreTokens(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+
+
+@pytest.mark.parametrize("servicer_class, threshold, result", [
+    (TargetServicer, 1e3, "tie"), (TargetServicer, 1e-6, "failed"), (_OlderTarget, 1e3, "unscored")],
+    ids=["tie", "failed", "older-target"])
+async def test_the_canary_sorts_a_bf16_divergence_by_the_targets_scores(target_dir, servicer_class, threshold, result):
+    """A replayed turn that parts from plain decoding at token 3: a tie when the baseline target's
+    logit gap between the two tokens there is below the threshold, a failure above it, unscored
+    where the target cannot score."""
+    from opentelemetry import trace
+
+    from coordinator.canary_equality import EqualityChecker
+
+    async with hosted(target_dir, servicer_class, num_slots=2, max_context=CONTEXT) as (target, _):
+        checker = EqualityChecker(None, _BaselineRouter(target), trace.get_tracer("test"), tie_threshold=threshold)
+        reference = await checker._plain("baseline:0", PROMPT, 6, SamplingParams())
+        logits = _next_logits(target_dir, PROMPT + reference[:3])
+        runner_up = int(logits.topk(2).indices[1])
+        candidate = reference[:3] + [runner_up, *reference[4:]]
+        record = types.SimpleNamespace(sampling=SamplingParams(), target_replica="baseline:0")
+        out = await checker._compare(PROMPT, candidate, record, "s")
+    assert out["result"] == result and out["divergence"] == 3
+    if result != "unscored":
+        assert out["logit_gap"] == pytest.approx(float(logits[reference[3]] - logits[runner_up]), abs=1e-5)
