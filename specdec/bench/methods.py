@@ -173,6 +173,9 @@ class RequestResult:
     order: int = 0  # place of this method in its prompt's rotation
     rate: float | None = None  # requests per second of an arrival phase (arrivals.py)
     client_wait_s: float = 0.0  # arrival phase: time queued in the client for a free session (in ttft, e2e)
+    # bf16 / fp16: where the output parts from plain decoding's at batch 1, the target's logit gap
+    # between the two tokens at the first divergence (ties.py); None: not re-scored
+    logit_gap: float | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -10,6 +10,7 @@ from specdec.bench.methods import RequestResult, is_service, is_speculative
 from specdec.bench.report import batch1_report, concurrency_report, goals, group_metrics, lossless, phase_table
 from specdec.bench.runner import Bench, Collected
 from specdec.bench.timing import StepTimes
+from specdec.generation.equality import DEFAULT_TIE_THRESHOLD
 
 SCHEMA = "specdec-bench/1"
 
@@ -230,8 +231,12 @@ def tables(report: dict) -> str:
         for level, table in (report.get(part) or {}).items():
             for name, m in table.items():
                 if m.get("lossless_fraction") is not None and m["lossless_fraction"] < 1.0:
-                    lines.append(f"WARNING {part} {level} {name}: {m['lossless_fraction']:.0%} of outputs equal plain "
-                                 f"decoding's at batch 1 (differing prompts {m['differing_prompts']})")
+                    ties, unexplained = m.get("numerical_ties", 0), m.get("unexplained_differences")
+                    kind = "NOTE" if unexplained == 0 else "WARNING"
+                    lines.append(f"{kind} {part} {level} {name}: {m['lossless_fraction']:.0%} of outputs equal plain "
+                                 f"decoding's at batch 1 (differing prompts {m['differing_prompts']}); "
+                                 f"{ties} at numerical ties (logit gap < {DEFAULT_TIE_THRESHOLD}), "
+                                 f"{unexplained} not")
     if report.get("netem"):
         lines.append("")
         lines.append(f"network delay ({report['netem']['network']['mode']}), batch 1:")

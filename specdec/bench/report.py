@@ -27,7 +27,7 @@ from specdec.bench.methods import (DEFAULT_REFERENCE, REFERENCE, REPLAY_PREFIX,
                                    RequestResult, base_name, fixed_k_of, is_service, is_speculative,
                                    without_pipelining)
 from specdec.bench.timing import StepTimes, summarize
-from specdec.generation.equality import compare_outputs
+from specdec.generation.equality import DEFAULT_TIE_THRESHOLD, compare_outputs
 
 
 
@@ -173,15 +173,17 @@ def ideal_speedup(m: dict, times: dict, proposer: str, draft_length: int | None)
 
 
 def lossless(results: list[RequestResult], reference: list[RequestResult]) -> dict:
-    """Fraction of prompts whose output equals the reference method's, token for token."""
+    """Fraction of prompts whose output equals the reference method's, token for token; of those
+    that differ, how many the target re-scored (bf16 / fp16, ties.py) as numerical ties."""
     ref = {}
     for r in reference:
         ref.setdefault(r.question_id, r.token_ids)
-    checked = [(r.question_id, compare_outputs([], r.token_ids, ref[r.question_id]))
-               for r in results if r.question_id in ref]
-    differing = sorted({qid for qid, rep in checked if not rep.equal})
-    return {"lossless_fraction": (sum(rep.equal for _, rep in checked) / len(checked)) if checked else None,
-            "lossless_checked": len(checked), "differing_prompts": differing}
+    checked = [(r, compare_outputs([], r.token_ids, ref[r.question_id])) for r in results if r.question_id in ref]
+    different = [r for r, rep in checked if not rep.equal]
+    ties = [r for r in different if r.logit_gap is not None and r.logit_gap < DEFAULT_TIE_THRESHOLD]
+    return {"lossless_fraction": (len(checked) - len(different)) / len(checked) if checked else None,
+            "lossless_checked": len(checked), "differing_prompts": sorted({r.question_id for r in different}),
+            "numerical_ties": len(ties), "unexplained_differences": len(different) - len(ties)}
 
 
 def phase_table(results: list[RequestResult], methods: list[str], times: list[StepTimes],

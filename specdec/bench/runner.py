@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import random
 import tempfile
@@ -15,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specdec.bench import arrivals, meta, phases
+from specdec.bench import arrivals, meta, phases, ties
 from specdec.bench.methods import (CATALOG, PLAIN_SERVICE_METHODS, REPLAY_PREFIX, REPLAY_TARGET_PREFIX, SERVER_POLICY,
                                    InProcessPlain,
                                    RequestResult, ServiceMethod, base_name, choose_methods, coordinator_of,
@@ -24,6 +25,8 @@ from specdec.bench.methods import (CATALOG, PLAIN_SERVICE_METHODS, REPLAY_PREFIX
 from specdec.bench.prompts import load_prompts, select_prompts
 from specdec.bench.services import Deployment, ServiceOptions
 from specdec.bench.timing import EngineTimer, StepTimes
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -262,6 +265,12 @@ class Bench:
                     await arrivals.phase(self, service_runners, deployment.target)
                 if self.config.netem_ms:
                     await phases.netem(self, stack, deployment)
+                if self.config.dtype not in ties.EXACT_DTYPES:  # near-ties may flip: the target re-scores
+                    try:
+                        scored = await ties.rescore(self.collected.results, self.prompt_ids, deployment.target.address)
+                        self.collected.notes["rescored_divergences"] = scored
+                    except Exception as exc:  # noqa: BLE001 - the run's numbers stand without it
+                        log.warning("could not re-score the outputs that part from plain decoding: %r", exc)
 
     def describe_methods(self) -> dict:
         out = {}

@@ -1,0 +1,47 @@
+"""The lossless check in bf16 / fp16 (ARCHITECTURE.md, "What identical means").
+
+A multi-token verify and a one-token decode sum in different orders, so in bf16 a near-tie between the
+target's top two tokens can flip, and an output may part from plain decoding's without any bug. Where
+an output of a run in a reduced precision differs from plain decoding's at batch 1, the target scores
+both tokens at the first divergence (TargetService.ScoreTokens, after the shared prefix) and the gap
+is kept on the request (RequestResult.logit_gap): report.lossless counts a gap below the tie threshold
+as a numerical tie, anything else as unexplained. fp32 needs none of this: there equality is exact.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from specdec.bench.methods import RequestResult
+from specdec.generation.equality import compare_outputs
+from specdec.server.settings import ClientSettings
+
+log = logging.getLogger(__name__)
+
+EXACT_DTYPES = frozenset({"float32", "fp32"})
+
+
+async def rescore(results: list[RequestResult], prompt_ids: dict[str, list[int]], target_address: str) -> int:
+    """Set logit_gap on every result that differs from plain decoding's at batch 1; how many were scored."""
+    from target_service.client import connect
+
+    reference: dict[str, list[int]] = {}
+    for r in results:
+        if r.phase == "batch1" and r.method == "plain":
+            reference.setdefault(r.question_id, r.token_ids)
+    gaps: dict[tuple, float] = {}  # the same divergence in several requests is scored once
+    async with connect(target_address, ClientSettings(plaintext=True, timeout_s=120.0)) as target:
+        for r in results:
+            plain = reference.get(r.question_id)
+            if plain is None or r.question_id not in prompt_ids or r.token_ids is plain:
+                continue
+            i = compare_outputs([], r.token_ids, plain).divergence
+            if i is None or i >= min(len(r.token_ids), len(plain)):  # equal, or only shorter
+                continue
+            key = (r.question_id, i, r.token_ids[i])
+            if key not in gaps:
+                (candidate, reference_logit), _ = await target.score_tokens(
+                    prompt_ids[r.question_id] + plain[:i], [r.token_ids[i], plain[i]])
+                gaps[key] = abs(candidate - reference_logit)
+            r.logit_gap = gaps[key]
+    return len(gaps)
