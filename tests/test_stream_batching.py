@@ -66,6 +66,9 @@ async def test_streams_queue_their_next_steps_before_building_responses(target_d
     assert all(len(tokens) == TOKENS for tokens in outputs)
     assert len(set(map(tuple, outputs))) == 1  # the same prompt, greedy: the same tokens
     steps = counting.before_step
-    # The streams' first steps arrive with their calls; from then on no response is built before
-    # the next step starts.
-    assert len(steps) <= TOKENS + 3 and steps[3:].count(0) >= len(steps) - 4, steps
+    # The streams' first steps arrive with their calls, and a stream that ended is waited for a
+    # moment by the batcher's gather window (responses get built meanwhile); in between, no
+    # response is built before the next step starts (the build before this order: 6 every step).
+    middle = steps[3:-3]
+    assert len(steps) <= TOKENS + 4 and len(middle) >= TOKENS - 6, steps
+    assert sum(1 for built in middle if built) <= 1, steps
