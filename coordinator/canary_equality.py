@@ -10,8 +10,9 @@ early EOS on either side shows up as a divergence).
 The rule is specdec.generation.equality.compare_outputs. With fp32 targets on both sides it is exact:
 any divergence is a failure. In bf16/fp16 a near-tie may flip between a multi-token verify and a
 one-token decode; telling it from a bug takes the target's logits at the divergence: the baseline
-target scores both tokens after the shared prefix (ScoreTokens), and a gap below tie_threshold is a
-TIE, anything else FAILED. A target too old to score (or failing to) leaves the divergence UNSCORED:
+target scores both tokens after the shared prefix (ScoreTokens), and a gap below the tie threshold
+(tie_threshold, at least 0.05, or a few units in the last place of the logits in the target's
+dtype) is a TIE, anything else FAILED. A target too old to score (or failing to) leaves the divergence UNSCORED:
 counted, and a rollback only when too many are (policy).
 """
 
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from opentelemetry import trace
 
 from specdec.errors import ServiceUnavailable, SessionNotFound
-from specdec.generation.equality import DEFAULT_TIE_THRESHOLD, EqualityReport, compare_outputs, rescored
+from specdec.generation.equality import DEFAULT_TIE_THRESHOLD, EqualityReport, compare_outputs, rescored, tie_threshold
 from specdec.sampling.params import SamplingMode
 from specdec.store import SessionStore
 
@@ -111,10 +112,12 @@ class EqualityChecker:
         try:
             (candidate_logit, reference_logit), _ = await self.router.target(endpoint).score_tokens(
                 prompt + reference[:i], [candidate[i], reference[i]])
+            dtype = (await self.router.describe(TARGET, endpoint)).model.dtype
         except Exception as exc:  # noqa: BLE001 - unscored, not failed: the policy counts those apart
             log.warning("canary equality check: could not re-score a divergence on %s: %r", endpoint, exc)
             return report, False
-        return rescored(report, candidate_logit, reference_logit, self.tie_threshold), True
+        threshold = tie_threshold(dtype, candidate_logit, reference_logit, floor=self.tie_threshold)
+        return rescored(report, candidate_logit, reference_logit, threshold), True
 
     async def _plain(self, endpoint: str, prompt: list[int], n: int, params) -> list[int]:
         """n tokens of plain decoding after `prompt` on a baseline target, in a throwaway session."""

@@ -16,6 +16,7 @@ import torch
 from inprocess_target import hosted
 from service_procs import tiny_model_dir
 from specdec import errors
+from specdec.generation.equality import tie_threshold
 from specdec.models.loader import load_model
 from specdec.rpc import target_pb2
 from specdec.sampling.params import SamplingParams
@@ -104,13 +105,15 @@ class _OlderTarget(TargetServicer):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
 
 
-@pytest.mark.parametrize("servicer_class, threshold, result", [
-    (TargetServicer, 1e3, "tie"), (TargetServicer, 1e-6, "failed"), (_OlderTarget, 1e3, "unscored")],
+@pytest.mark.parametrize("servicer_class, threshold, pick, result", [
+    (TargetServicer, 1e3, 1, "tie"), (TargetServicer, 0.05, -1, "failed"), (_OlderTarget, 1e3, 1, "unscored")],
     ids=["tie", "failed", "older-target"])
-async def test_the_canary_sorts_a_bf16_divergence_by_the_targets_scores(target_dir, servicer_class, threshold, result):
-    """A replayed turn that parts from plain decoding at token 3: a tie when the baseline target's
-    logit gap between the two tokens there is below the threshold, a failure above it, unscored
-    where the target cannot score."""
+async def test_the_canary_sorts_a_bf16_divergence_by_the_targets_scores(target_dir, servicer_class, threshold, pick,
+                                                                       result):
+    """A replayed turn that parts from plain decoding at token 3 (to the runner-up, or to the least
+    likely token): a tie when the baseline target's logit gap between the two tokens there is below
+    the threshold (at least a few bf16 units in the last place), a failure above it, unscored where
+    the target cannot score."""
     from opentelemetry import trace
 
     from coordinator.canary_equality import EqualityChecker
@@ -119,10 +122,12 @@ async def test_the_canary_sorts_a_bf16_divergence_by_the_targets_scores(target_d
         checker = EqualityChecker(None, _BaselineRouter(target), trace.get_tracer("test"), tie_threshold=threshold)
         reference = await checker._plain("baseline:0", PROMPT, 6, SamplingParams())
         logits = _next_logits(target_dir, PROMPT + reference[:3])
-        runner_up = int(logits.topk(2).indices[1])
-        candidate = reference[:3] + [runner_up, *reference[4:]]
+        other = int(logits.sort(descending=True).indices[pick])
+        candidate = reference[:3] + [other, *reference[4:]]
+        gap = float(logits[reference[3]] - logits[other])
+        assert (gap < tie_threshold("bfloat16", logits[reference[3]], logits[other], floor=threshold)) == (pick == 1)
         record = types.SimpleNamespace(sampling=SamplingParams(), target_replica="baseline:0")
         out = await checker._compare(PROMPT, candidate, record, "s")
     assert out["result"] == result and out["divergence"] == 3
     if result != "unscored":
-        assert out["logit_gap"] == pytest.approx(float(logits[reference[3]] - logits[runner_up]), abs=1e-5)
+        assert out["logit_gap"] == pytest.approx(gap, abs=1e-5)

@@ -140,7 +140,7 @@ def assemble(bench: Bench, collected: Collected) -> dict:
                          "process": "Poisson (exponential gaps), the same instants for every method of a round; "
                                     "latency counts from arrival, client-side waits for a session included"}
             if c.arrival_rates else None,
-            "hf": notes.get("hf"), "warmup_s": notes.get("warmup_s"), "log_dir": notes.get("log_dir"),
+            "hf": notes.get("hf"), "warmup_s": notes.get("warmup_s"), "rescored_divergences": notes.get("rescored_divergences"), "log_dir": notes.get("log_dir"),
         },
         "methods": bench.describe_methods(),
         **sections(collected.results, collected.times, bench.methods, fixed_k, notes),
@@ -227,16 +227,20 @@ def tables(report: dict) -> str:
                              f"{_f(m['waited_share'], '{:.0%}', 1):>6}")
         lines.append("(open loop: latency from arrival; 'vs plain' = mean end-to-end time against plain decoding's "
                      "at the same arrivals, below 1 is faster)")
-    for part in ("concurrency", "arrivals"):
-        for level, table in (report.get(part) or {}).items():
+    parts = [("batch1", {"1": (report.get("batch1") or {}).get("overall") or {}}), *(
+        (part, report.get(part) or {}) for part in ("concurrency", "arrivals"))]
+    for part, levels in parts:
+        for level, table in levels.items():
             for name, m in table.items():
+                if not isinstance(m, dict):
+                    continue
                 if m.get("lossless_fraction") is not None and m["lossless_fraction"] < 1.0:
                     ties, unexplained = m.get("numerical_ties", 0), m.get("unexplained_differences")
                     kind = "NOTE" if unexplained == 0 else "WARNING"
                     lines.append(f"{kind} {part} {level} {name}: {m['lossless_fraction']:.0%} of outputs equal plain "
                                  f"decoding's at batch 1 (differing prompts {m['differing_prompts']}); "
-                                 f"{ties} at numerical ties (logit gap < {DEFAULT_TIE_THRESHOLD}), "
-                                 f"{unexplained} not")
+                                 f"{ties} at numerical ties (logit gap within a few units of the dtype's "
+                                 f"precision, at least {DEFAULT_TIE_THRESHOLD}), {unexplained} not")
     if report.get("netem"):
         lines.append("")
         lines.append(f"network delay ({report['netem']['network']['mode']}), batch 1:")

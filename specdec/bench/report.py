@@ -180,7 +180,8 @@ def lossless(results: list[RequestResult], reference: list[RequestResult]) -> di
         ref.setdefault(r.question_id, r.token_ids)
     checked = [(r, compare_outputs([], r.token_ids, ref[r.question_id])) for r in results if r.question_id in ref]
     different = [r for r, rep in checked if not rep.equal]
-    ties = [r for r in different if r.logit_gap is not None and r.logit_gap < DEFAULT_TIE_THRESHOLD]
+    ties = [r for r in different
+            if r.logit_gap is not None and r.logit_gap < (r.tie_threshold or DEFAULT_TIE_THRESHOLD)]
     return {"lossless_fraction": (len(checked) - len(different)) / len(checked) if checked else None,
             "lossless_checked": len(checked), "differing_prompts": sorted({r.question_id for r in different}),
             "numerical_ties": len(ties), "unexplained_differences": len(different) - len(ties)}

@@ -267,7 +267,8 @@ class Bench:
                     await phases.netem(self, stack, deployment)
                 if self.config.dtype not in ties.EXACT_DTYPES:  # near-ties may flip: the target re-scores
                     try:
-                        scored = await ties.rescore(self.collected.results, self.prompt_ids, deployment.target.address)
+                        scored = await ties.rescore(self.collected.results, self.prompt_ids, deployment.target.address,
+                                                    self.config.dtype)
                         self.collected.notes["rescored_divergences"] = scored
                     except Exception as exc:  # noqa: BLE001 - the run's numbers stand without it
                         log.warning("could not re-score the outputs that part from plain decoding: %r", exc)

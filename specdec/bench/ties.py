@@ -4,8 +4,9 @@ A multi-token verify and a one-token decode sum in different orders, so in bf16 
 target's top two tokens can flip, and an output may part from plain decoding's without any bug. Where
 an output of a run in a reduced precision differs from plain decoding's at batch 1, the target scores
 both tokens at the first divergence (TargetService.ScoreTokens, after the shared prefix) and the gap
-is kept on the request (RequestResult.logit_gap): report.lossless counts a gap below the tie threshold
-as a numerical tie, anything else as unexplained. fp32 needs none of this: there equality is exact.
+is kept on the request (RequestResult.logit_gap) with the tie threshold for the target's dtype
+(equality.tie_threshold: a few units in the last place of the logits, at least 0.05):
+report.lossless counts a gap below it as a numerical tie, anything else as unexplained. fp32 needs none of this: there equality is exact.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import logging
 
 from specdec.bench.methods import RequestResult
-from specdec.generation.equality import compare_outputs
+from specdec.generation.equality import compare_outputs, tie_threshold
 from specdec.server.settings import ClientSettings
 
 log = logging.getLogger(__name__)
@@ -21,8 +22,10 @@ log = logging.getLogger(__name__)
 EXACT_DTYPES = frozenset({"float32", "fp32"})
 
 
-async def rescore(results: list[RequestResult], prompt_ids: dict[str, list[int]], target_address: str) -> int:
-    """Set logit_gap on every result that differs from plain decoding's at batch 1; how many were scored."""
+async def rescore(results: list[RequestResult], prompt_ids: dict[str, list[int]], target_address: str,
+                  dtype: str) -> int:
+    """Set logit_gap and tie_threshold (equality.tie_threshold for the target's dtype) on every result
+    that differs from plain decoding's at batch 1; how many divergences were scored."""
     from target_service.client import connect
 
     reference: dict[str, list[int]] = {}
@@ -42,6 +45,6 @@ async def rescore(results: list[RequestResult], prompt_ids: dict[str, list[int]]
             if key not in gaps:
                 (candidate, reference_logit), _ = await target.score_tokens(
                     prompt_ids[r.question_id] + plain[:i], [r.token_ids[i], plain[i]])
-                gaps[key] = abs(candidate - reference_logit)
-            r.logit_gap = gaps[key]
+                gaps[key] = abs(candidate - reference_logit), tie_threshold(dtype, candidate, reference_logit)
+            r.logit_gap, r.tie_threshold = gaps[key]
     return len(gaps)

@@ -10,6 +10,7 @@ a logit gap below `tie_threshold` is a numerical tie (counted, reported), anythi
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -17,8 +18,26 @@ import torch
 
 # Returns the target's logits [vocab] for the next token after the given prefix.
 NextLogits = Callable[[Sequence[int]], torch.Tensor]
-# Logit gap below which two tokens at a divergence count as a numerical tie (bf16 / fp16).
+# Logit gap below which two tokens at a divergence count as a numerical tie (bf16 / fp16), or
+# TIE_ULPS units in the last place of the larger logit in the model's dtype where that is wider:
+# bf16 keeps 8 significant bits, so at |logit| 32-64 one unit is 0.25 and any two distinct logits
+# differ by at least that (a CPU bf16 run parted from plain decoding at gaps of 0.25 and 0.5).
 DEFAULT_TIE_THRESHOLD = 0.05
+TIE_ULPS = 4
+
+
+def tie_threshold(dtype: str, *logits: float, floor: float = DEFAULT_TIE_THRESHOLD) -> float:
+    """The gap below which logits computed in `dtype` count as tied: `floor`, or TIE_ULPS units in
+    the last place of the largest of them in that dtype where that is wider."""
+    try:
+        info = torch.finfo(getattr(torch, dtype.removeprefix("torch.")))
+    except (AttributeError, TypeError):  # not a floating dtype torch knows
+        return floor
+    magnitude = max((abs(x) for x in logits), default=0.0)
+    if magnitude == 0.0 or not math.isfinite(magnitude):
+        return floor
+    unit = info.eps * 2.0 ** math.floor(math.log2(magnitude))
+    return max(floor, TIE_ULPS * unit)
 
 
 @dataclass(frozen=True)
