@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from opentelemetry import trace
 
 from specdec.errors import ServiceUnavailable, SessionNotFound
-from specdec.generation.equality import DEFAULT_TIE_THRESHOLD, EqualityReport, compare_outputs, rescored, tie_threshold
+from specdec.generation.equality import (DEFAULT_TIE_THRESHOLD, EXACT_DTYPES, EqualityReport, compare_outputs, rescored,
+                                         tie_threshold)
 from specdec.sampling.params import SamplingMode
 from specdec.store import SessionStore
 
@@ -35,8 +36,6 @@ from coordinator.requests import Pool
 from coordinator.routing import TARGET, Router
 
 log = logging.getLogger(__name__)
-
-EXACT_DTYPES = frozenset({"float32", "torch.float32", "fp32"})
 
 
 @dataclass(frozen=True)

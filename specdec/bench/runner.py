@@ -25,6 +25,7 @@ from specdec.bench.methods import (CATALOG, PLAIN_SERVICE_METHODS, REPLAY_PREFIX
 from specdec.bench.prompts import load_prompts, select_prompts
 from specdec.bench.services import Deployment, ServiceOptions
 from specdec.bench.timing import EngineTimer, StepTimes
+from specdec.generation.equality import EXACT_DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -265,7 +266,7 @@ class Bench:
                     await arrivals.phase(self, service_runners, deployment.target)
                 if self.config.netem_ms:
                     await phases.netem(self, stack, deployment)
-                if self.config.dtype not in ties.EXACT_DTYPES:  # near-ties may flip: the target re-scores
+                if self.config.dtype not in EXACT_DTYPES:  # near-ties may flip: the target re-scores
                     try:
                         scored = await ties.rescore(self.collected.results, self.prompt_ids, deployment.target.address,
                                                     self.config.dtype)

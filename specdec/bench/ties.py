@@ -11,15 +11,9 @@ report.lossless counts a gap below it as a numerical tie, anything else as unexp
 
 from __future__ import annotations
 
-import logging
-
 from specdec.bench.methods import RequestResult
 from specdec.generation.equality import compare_outputs, tie_threshold
 from specdec.server.settings import ClientSettings
-
-log = logging.getLogger(__name__)
-
-EXACT_DTYPES = frozenset({"float32", "fp32"})
 
 
 async def rescore(results: list[RequestResult], prompt_ids: dict[str, list[int]], target_address: str,

@@ -24,6 +24,8 @@ NextLogits = Callable[[Sequence[int]], torch.Tensor]
 # differ by at least that (a CPU bf16 run parted from plain decoding at gaps of 0.25 and 0.5).
 DEFAULT_TIE_THRESHOLD = 0.05
 TIE_ULPS = 4
+# Dtypes whose greedy output must equal plain decoding's exactly (no near-tie rule).
+EXACT_DTYPES = frozenset({"float32", "torch.float32", "fp32"})
 
 
 def tie_threshold(dtype: str, *logits: float, floor: float = DEFAULT_TIE_THRESHOLD) -> float:
