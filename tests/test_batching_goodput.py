@@ -23,8 +23,8 @@ ALPHA, BETA = 0.07, 0.007  # a CPU-like step: 70 ms of weights plus 7 ms per tok
 
 def trimmer_with_cost(alpha: float = ALPHA, beta: float = BETA, **kwargs) -> DraftTrimmer:
     trimmer = DraftTrimmer(**kwargs)
-    for n in range(1, 21):
-        trimmer.cost.observe(n, alpha + beta * n)
+    for rows, width in itertools.product(range(1, 5), range(1, 6)):  # steps of every shape: nothing untold
+        trimmer.cost.observe(rows * width, alpha + beta * rows * width, rows)
     return trimmer
 
 
@@ -182,6 +182,23 @@ def test_plain_rows_that_pay_only_drafting_together_are_told_so(packed):
         teach(slow, session_id, 4, 5)
     slow.trim(plain)
     assert all(slow.draft_limits[s] == 0 for s in sessions)
+
+
+def test_a_padded_target_that_saw_only_plain_steps_still_lets_drafts_try():
+    """One H200, 8B target, 1B draft hosted, 8 sessions at alpha 0.8, after plain steps only: fitted
+    on tokens alone, their growth by rows (0.38 ms a row) priced a width of 5 at 22 ms against a real
+    9.5 ms and the batch never drafted. Charging half of that growth to width, the trimming lets the
+    drafts through, and the steps they make tell the rest (test_step_cost.py)."""
+    trimmer = DraftTrimmer()
+    for rows in [1, 3, 8, 5, 2, 7, 4, 6] * 3:
+        trimmer.cost.observe(rows, 0.0061 + 0.00039 * rows, rows)
+    trimmer.observe_draft(steps=4, seconds=4 * 0.0025)
+    sessions = [f"s{i}" for i in range(8)]
+    for session_id in sessions:
+        teach(trimmer, session_id, 4, 5)
+    trimmer.trim([DecodeWork(s, 10) for s in sessions])
+    assert all(trimmer.draft_limits[s] >= 2 for s in sessions)
+    assert all(kept >= 2 for kept in trimmer.plan([verify(s, 4) for s in sessions], drafting_here=True))
 
 
 def test_prefix_keeps_the_distributions_of_the_kept_tokens():

@@ -326,7 +326,7 @@ async def test_each_message_says_what_a_draft_of_the_session_would_have_kept(tar
     expected = reference(13)
     async with hosted(target_dir, TargetServicer, num_slots=4, max_context=CONTEXT, batching=BatchSettings(batch_wait_s=0.005),
                       trim_drafts=True, trim_margin=0.2) as (target, servicer):
-        servicer.trimmer.cost.fit = lambda: (0.01, beta)  # the step cost, as if measured: not the tiny model's
+        servicer.trimmer.cost.fit = lambda rows=1: (0.01, beta)  # the step cost, as if measured: not the tiny model's
 
         async def one() -> tuple[list[int], list[int | None]]:
             session_id = uuid.uuid4().hex

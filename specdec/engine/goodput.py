@@ -12,7 +12,8 @@ SmartSpec, Liu et al. 2024):
     goodput = sum_i E_i(d_i) / T(n),   E_i(d) = 1 + a_i + a_i^2 + ... + a_i^d
 
 E_i is Leviathan et al. (2023, sec. 3.1) with a_i the acceptance rate measured on session i's own
-verifies, and T = alpha + beta * n is fitted online to the measured steps, n being what the backend
+verifies, and T = alpha + beta * n is fitted online to the measured steps (step_cost.py; where the
+backend pads, alpha includes what the step's rows cost whatever their width), n being what the backend
 computes: rows x the widest row where it pads (CUDA graphs' shapes), so that the plan is a step
 width and drafted tokens up to it ride along free; the tokens fed where it packs ragged rows (the
 native backend's eager path; transformers runs rows one at a time), so that every drafted token pays
@@ -51,48 +52,12 @@ from typing import Sequence
 
 from specdec.engine.batch import DecodeWork, Result, VerifyWork, Work, run_target_batch
 from specdec.engine.cycle_wall import CycleWallPricing
+from specdec.engine.step_cost import StepCost
 from specdec.engine.step_plan import RowSpec, packed_plan, padded_width
 from specdec.engine.target import TargetEngine
 from specdec.types import DraftBlock, VerifyOutcome
 
 ADMISSION_PROBE_TOKENS = 8  # the draft a plain row is asked about (the longest CUDA-graph verify)
-
-
-@dataclass
-class StepCost:
-    """T(n) = alpha + beta * n by exponentially weighted least squares over measured steps. Once fitted,
-    a step counts at most outlier_ratio times what the fit expects of its size: past the graph warm-up
-    context a GPU step's first use of a shape captures a CUDA graph inside it (~0.2 s at the 8B shape,
-    against a 9 ms step), which is no price of its tokens (the coordinator's cost fit does the same:
-    generation/forward_cost.py, docs/BENCHMARKS.md round 26)."""
-
-    decay: float = 0.98  # weight of the past per step: the fit follows a changing machine load
-    min_steps: float = 8.0  # (weighted) steps before the fit is trusted
-    outlier_ratio: float = 2.0
-    _w: float = 0.0
-    _n: float = 0.0
-    _nn: float = 0.0
-    _t: float = 0.0
-    _nt: float = 0.0
-
-    def observe(self, tokens: int, seconds: float) -> None:
-        fitted = self.fit()
-        if fitted is not None:
-            seconds = min(seconds, self.outlier_ratio * (fitted[0] + fitted[1] * tokens))
-        d = self.decay
-        self._w, self._n, self._t = d * self._w + 1, d * self._n + tokens, d * self._t + seconds
-        self._nn, self._nt = d * self._nn + tokens * tokens, d * self._nt + tokens * seconds
-
-    def fit(self) -> tuple[float, float] | None:
-        """(alpha, beta) in seconds, or None until enough steps of different sizes were seen."""
-        if self._w < self.min_steps:
-            return None
-        mean_n, mean_t = self._n / self._w, self._t / self._w
-        variance = self._nn / self._w - mean_n * mean_n
-        if variance < 0.25:  # every step had (nearly) the same size: the slope is unknown
-            return None
-        beta = max(0.0, (self._nt / self._w - mean_n * mean_t) / variance)
-        return max(mean_t - beta * mean_n, 1e-6), beta
 
 
 @dataclass
@@ -125,7 +90,7 @@ class DraftTrimmer:
         # A draft from a draft service also costs its session a round trip per cycle, which no step
         # cost shows: cycle_wall.py prices the whole cycle and refuses sessions whose cycles lose.
         self.cycle_wall = CycleWallPricing(margin=margin, max_sessions=max_sessions) if price_cycles else None
-        self.cost = StepCost()
+        self.cost = StepCost(per_row=not packed)
         # Seconds per step of the draft model the target hosts (specdec.engine.inner_draft), averaged
         # over its draft passes; None until one ran. A step whose rows draft there runs width - 1 such
         # steps on the same thread before its forward: part of what widening the step costs.
@@ -155,7 +120,7 @@ class DraftTrimmer:
         the plain rows. A draft made on the target itself (specdec.engine.inner_draft.InnerDraftWork)
         is planned as a verify of its longest length before it is drafted, so no cut token is
         drafted; drafting_here: some rows draft with the hosted draft model, whose passes the width pays."""
-        fit = self.cost.fit()
+        fit = self.cost.fit(len(works))
         refused = self._refused(works)
         if fit is None or len(works) < 2:  # no cost measured yet, or no one else in the step
             # Nothing known but the refusals: the coordinators probe as they see fit.
@@ -252,7 +217,7 @@ class DraftTrimmer:
 
     def plain_step_s(self, num_sessions: int) -> float | None:
         """Model seconds of a plain step of num_sessions rows, from the fit (None before one)."""
-        fit = self.cost.fit()
+        fit = self.cost.fit(num_sessions)
         return None if fit is None else fit[0] + fit[1] * num_sessions
 
     def observe(self, works: Sequence[Work], results: Sequence[Result], seconds: float,
@@ -262,7 +227,7 @@ class DraftTrimmer:
         verified draft, and each session's cycle wall time (cycle_wall.py)."""
         widths = [base + draft for base, draft in map(_base_and_draft, works) if base + draft > 0]
         if widths:
-            self.cost.observe(sum(widths) if self.packed else len(widths) * max(widths), seconds)
+            self.cost.observe(sum(widths) if self.packed else len(widths) * max(widths), seconds, len(widths))
         if self.cycle_wall is not None and started is not None:
             self.cycle_wall.observe(works, results, started, started + seconds, self.plain_step_s)
         for work, result in zip(works, results):

@@ -1,0 +1,80 @@
+"""The target's step-cost fit (specdec.engine.step_cost): tokens alone where the backend packs ragged
+rows; for padded steps, what rows cost apart from what width costs, with an untold split held at
+half and half until steps of other widths tell them apart."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from specdec.engine.step_cost import UNTOLD_SHARE, StepCost
+
+# One H200, 8B target with CUDA graphs (docs/BENCHMARKS.md, round 38): 6.1 ms a step, 0.38 ms a row,
+# 0.01 ms a token of width.
+ALPHA, PER_ROW, PER_TOKEN = 0.0061, 0.00038, 0.00001
+
+
+def gpu_step(rows: int, width: int) -> float:
+    return ALPHA + PER_ROW * rows + PER_TOKEN * rows * width
+
+
+def test_tokens_alone_where_rows_are_packed():
+    cost = StepCost()
+    for n in [1, 5, 16, 80, 3, 40] * 3:
+        cost.observe(n, 0.05 + 0.002 * n, rows=4)  # rows do not enter a packed fit
+    assert cost.fit(1) == pytest.approx((0.05, 0.002)) and cost.fit(16) == pytest.approx((0.05, 0.002))
+
+
+def test_plain_padded_steps_charge_half_of_their_growth_to_width():
+    """Plain steps are one token wide: their growth by rows could be either cost, and the fit charges
+    half of it to width until wider steps are measured."""
+    cost = StepCost(per_row=True)
+    for rows in [1, 3, 8, 5, 2, 7, 4, 6] * 3:
+        cost.observe(rows, gpu_step(rows, 1), rows)
+    alpha, beta = cost.fit(8)
+    growth = PER_ROW + PER_TOKEN
+    assert beta == pytest.approx(UNTOLD_SHARE * growth)
+    assert alpha + beta * 8 == pytest.approx(gpu_step(8, 1))  # the plain steps it saw, exactly
+    tokens_alone = StepCost()
+    for rows in [1, 3, 8, 5, 2, 7, 4, 6] * 3:
+        tokens_alone.observe(rows, gpu_step(rows, 1))
+    a, b = tokens_alone.fit(8)
+    wide = a + b * 40  # 8 rows of 5: 21.7 ms for a step that takes 9.5 (every draft at 8 sessions cut)
+    assert wide > 2 * gpu_step(8, 5)
+    assert alpha + beta * 40 < 0.75 * wide  # still dear, but cheap enough to try: then it is told
+
+
+def test_steps_of_other_widths_tell_rows_from_tokens():
+    cost = StepCost(per_row=True)
+    for rows, width in itertools.product(range(1, 9), (1, 1, 1, 5)):
+        cost.observe(rows * width, gpu_step(rows, width), rows)
+    alpha, beta = cost.fit(8)
+    assert beta == pytest.approx(PER_TOKEN, abs=2e-6)
+    assert alpha + beta * 40 == pytest.approx(gpu_step(8, 5), rel=0.01)
+    cpu = StepCost(per_row=True)  # where width is what costs (a CPU), the same fit says so
+    for rows, width in itertools.product(range(1, 9), (1, 1, 1, 5)):
+        cpu.observe(rows * width, 0.04 + 0.003 * rows * width, rows)
+    alpha, beta = cpu.fit(8)
+    assert beta == pytest.approx(0.003, rel=0.01) and alpha == pytest.approx(0.04, rel=0.01)
+
+
+def test_the_split_returns_to_half_after_a_long_plain_stretch():
+    """Measurements fade: long after the last wide step the trimming tries a width again."""
+    cost = StepCost(per_row=True)
+    for rows, width in itertools.product(range(1, 9), (1, 5)):
+        cost.observe(rows * width, 0.04 + 0.003 * rows * width, rows)
+    told = cost.fit(8)[1]
+    for rows in [1, 3, 8, 5, 2, 7, 4, 6] * 60:  # 480 plain steps
+        cost.observe(rows, 0.04 + 0.003 * rows, rows)
+    assert told == pytest.approx(0.003, rel=0.02)
+    assert cost.fit(8)[1] < 0.65 * told  # most of the way back to the untold half (0.0015)
+
+
+def test_a_graph_capture_inside_a_step_is_clamped():
+    cost = StepCost(per_row=True)
+    for rows, width in itertools.product(range(1, 9), (1, 1, 5)):
+        cost.observe(rows * width, gpu_step(rows, width), rows)
+    cost.observe(24, 0.2, 8)  # a first use of a shape past the warm-up context
+    alpha, beta = cost.fit(8)
+    assert alpha + beta * 40 < 1.25 * gpu_step(8, 5)
