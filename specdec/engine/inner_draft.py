@@ -171,7 +171,7 @@ class ModelDrafter(_Drafting):
                 self.draft_tokens, self.known = result.draft_tokens, work.position
             # A draft that first caught up on more than the last step's next token (the stream's
             # first step, a step after a plain one) paid a prefill, not a steady draft's cost.
-            steady = work.open_with is None and len(work.append) <= 1
+            steady = _steady(work)
             self._remember(work.num_draft_tokens, result.planned, result.block, result.outcome, steady)
         return result.outcome, result.block, StepTiming(model_ns=result.draft_ns)
 
@@ -202,7 +202,11 @@ def run_inner_step(target: TargetEngine, trimmer: DraftTrimmer | None, drafts: D
             failed[i] = exc
     drafting_started = time.perf_counter_ns()
     proposed = run_propose_batch(drafts, [p for _, p in proposes])
-    if trimmer is not None:  # what a draft step costs here, for the next steps' plans
+    if trimmer is not None and all(_steady(works[i]) for i, _ in proposes):
+        # What a draft step costs here, for the next steps' plans: from passes that drafted only. A
+        # pass that first caught a row up (its first step, a step after plain ones) paid a prefill;
+        # priced as draft steps, those made 8 ms of a 2.5 ms step on one H200 and kept every row
+        # from drafting again, so the price never came down (docs/BENCHMARKS.md, round 38).
         trimmer.observe_draft(max((p.num_draft_tokens for _, p in proposes), default=0),
                               (time.perf_counter_ns() - drafting_started) * 1e-9)
     for (i, _), result in zip(proposes, proposed):
@@ -224,6 +228,11 @@ def run_inner_step(target: TargetEngine, trimmer: DraftTrimmer | None, drafts: D
         results[i] = InnerDraftResult(results[i], blocks[i], draft_ns if i in drafted_rows else 0, tokens,
                                       planned[i], failed.get(i))
     return results
+
+
+def _steady(work: InnerDraftWork) -> bool:
+    """The row's draft only drafts: it holds the committed tokens but the last step's next one."""
+    return work.open_with is None and len(work.append) <= 1
 
 
 def _align(drafts: DraftEngine, work: InnerDraftWork) -> tuple[int, tuple[int, ...]]:
