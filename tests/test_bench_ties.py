@@ -32,6 +32,9 @@ def test_the_report_counts_ties_apart_from_unexplained_differences():
     m = lossless(rows, reference)
     assert m["lossless_fraction"] == 0.2 and m["lossless_checked"] == 5
     assert m["numerical_ties"] == 2 and m["unexplained_differences"] == 2  # no gap: unexplained
+    at_bound = _result("spec", [4, 9, 9, 7], gap=1.0)  # exactly four units: bf16 logits come in units
+    at_bound.tie_threshold = 1.0
+    assert lossless([at_bound], reference)["numerical_ties"] == 1
 
 
 def test_the_tie_threshold_is_a_few_units_of_the_dtypes_precision_at_least_the_floor():

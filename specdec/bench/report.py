@@ -27,7 +27,7 @@ from specdec.bench.methods import (DEFAULT_REFERENCE, REFERENCE, REPLAY_PREFIX,
                                    RequestResult, base_name, fixed_k_of, is_service, is_speculative,
                                    without_pipelining)
 from specdec.bench.timing import StepTimes, summarize
-from specdec.generation.equality import DEFAULT_TIE_THRESHOLD, compare_outputs
+from specdec.generation.equality import DEFAULT_TIE_THRESHOLD, compare_outputs, is_tie
 
 
 
@@ -181,7 +181,7 @@ def lossless(results: list[RequestResult], reference: list[RequestResult]) -> di
     checked = [(r, compare_outputs([], r.token_ids, ref[r.question_id])) for r in results if r.question_id in ref]
     different = [r for r, rep in checked if not rep.equal]
     ties = [r for r in different
-            if r.logit_gap is not None and r.logit_gap < (r.tie_threshold or DEFAULT_TIE_THRESHOLD)]
+            if r.logit_gap is not None and is_tie(r.logit_gap, r.tie_threshold or DEFAULT_TIE_THRESHOLD)]
     return {"lossless_fraction": (len(checked) - len(different)) / len(checked) if checked else None,
             "lossless_checked": len(checked), "differing_prompts": sorted({r.question_id for r in different}),
             "numerical_ties": len(ties), "unexplained_differences": len(different) - len(ties)}
