@@ -27,15 +27,9 @@ drafting by itself (plain decoding while every drafted token is cut).
 
 The trimmer also tells each session that decodes plainly how many drafted tokens this step would
 have verified for it (draft_limits: its row as a verify of up to ADMISSION_PROBE_TOKENS at its own
-acceptance, the others as they are; or, where that is more, what it would keep were every plain row
-of the step to probe with it). A coordinator whose session speculates no longer probes while that is
-0: under load every probe cost its session a draft round trip and the batch a longer step for
-nothing, and at 4 sessions on a CPU those probes were most of speculation's loss to plain decoding.
-The joint probe is there because some costs are the whole step's: the hosted draft's passes, and a
-padded step's width. One row's draft alone rarely pays for them, all rows' drafts together may: told
-only its own probe, every plain row hears 0 and the batch stays plain where drafting together would
-win (one H200, 8B / 1B hosted, 8 sessions: 4 draft passes of 2.5 ms and a 9.5 ms verify commit 27
-tokens at alpha 0.8, against a 9.1 ms plain step's 8).
+acceptance, the others as they are). A coordinator whose session speculates no longer probes while
+that is 0: under load every probe cost its session a draft round trip and the batch a longer step
+for nothing, and at 4 sessions on a CPU those probes were most of speculation's loss to plain decoding.
 
 What a step cost cannot show, the round trips of a session drafting on a draft service, is priced
 per session over its whole cycle by cycle_wall.py; a session it refuses has its drafts cut to nothing
@@ -143,33 +137,18 @@ class DraftTrimmer:
         drafting = [max(0, width - 1) * step for width in range(widest + 1)]
         width = padded_width(len(rows), bases[0], totals, alpha, beta, self.margin,
                              drafting if drafting_here else None)
-        probes = self._probes(works, rows, refused)
-        # Every plain row probing at once (the module's doc): a decode row gains 1 at any width, a
-        # probe its gains; rows that do not probe keep their widths.
-        joint = list(totals)
-        for probe in probes.values():
-            joint = [total - 1.0 + gain for total, gain in zip(joint, probe.gains(widest))]
-        joint_base = max([r.base for i, r in enumerate(rows) if i not in probes], default=1)
-        joint_width = padded_width(len(rows), joint_base, joint, alpha, beta, self.margin, drafting)
         limits = {}
         for index, work in enumerate(works):
             if isinstance(work, DecodeWork):  # what this row would keep as a verify of the probe's size
-                probe = probes.get(index)
-                if probe is None:  # refused
-                    limits[work.session_id] = 0
-                    continue
-                others_base = bases[1] if rows[index].base == bases[0] else bases[0]
+                row, probe = rows[index], RowSpec(1, ADMISSION_PROBE_TOKENS, rows[index].acceptance)
+                others_base = bases[1] if row.base == bases[0] else bases[0]
+                # A decode row gains 1 at any width: swap that for the probe's gains.
                 swapped = [total - 1.0 + gain for total, gain in zip(totals, probe.gains(widest))]
-                alone = padded_width(len(rows), max(others_base, 1), swapped, alpha, beta, self.margin, drafting)
-                limits[work.session_id] = max(0, min(probe.draft, max(alone, joint_width) - probe.base))
+                probe_width = padded_width(len(rows), max(others_base, 1), swapped, alpha, beta, self.margin,
+                                           drafting)
+                limits[work.session_id] = 0 if index in refused else max(0, min(probe.draft, probe_width - probe.base))
         self.draft_limits = limits
         return [max(0, min(row.draft, width - row.base)) for row in rows]
-
-    @staticmethod
-    def _probes(works: Sequence[Work], rows: list[RowSpec], refused: set[int]) -> dict[int, RowSpec]:
-        """The plain rows that may probe (not refused), each as a verify of the probe's size."""
-        return {i: RowSpec(1, ADMISSION_PROBE_TOKENS, rows[i].acceptance) for i, work in enumerate(works)
-                if isinstance(work, DecodeWork) and i not in refused}
 
     def _plan_packed(self, works: Sequence[Work], rows: list[RowSpec], refused: set[int], alpha: float,
                      beta: float, drafting_here: bool) -> list[int]:
@@ -178,14 +157,9 @@ class DraftTrimmer:
         in plan(), once this target has drafted)."""
         step = self.draft_step_s or 0.0
         planned = packed_plan(rows, alpha, beta, self.margin, step if drafting_here else 0.0)
-        probes = self._probes(works, rows, refused)
-        # Every plain row probing at once (the module's doc): they share the hosted draft's passes.
-        joint = packed_plan([probes.get(i, row) for i, row in enumerate(rows)], alpha, beta, self.margin, step) \
-            if len(probes) > 1 else None
         self.draft_limits = {
-            work.session_id: 0 if index not in probes else max(
-                planned.limit(rows[index].acceptance, ADMISSION_PROBE_TOKENS, beta, self.margin, step),
-                joint.kept[index] if joint is not None else 0)
+            work.session_id: 0 if index in refused else planned.limit(rows[index].acceptance, ADMISSION_PROBE_TOKENS,
+                                                                      beta, self.margin, step)
             for index, work in enumerate(works) if isinstance(work, DecodeWork)
         }
         return planned.kept

@@ -8,8 +8,8 @@ width, so T = alpha + beta_row * rows + beta_token * rows * width. Only the toke
 drafting adds to a step of given rows. Plain steps alone cannot tell the two apart (their width is
 1: tokens = rows), and fitted as tokens alone, their growth with rows passed for a cost of width:
 on one H200 (8B target) a plain step grows 0.39 ms a row from 1 to 8 rows, while widening 8 rows
-from 1 to 5 tokens adds about 0.4 ms in all, and the fit's extrapolation, 12 ms, cut every draft
-at 8 sessions. So the padded fit splits a slope it cannot tell apart half and half (UNTOLD_SHARE)
+from 1 to 5 tokens adds about 0.4 ms in all; the tokens-alone fit priced that width at 22 ms
+against a real 9.5. So the padded fit splits a slope it cannot tell apart half and half (UNTOLD_SHARE)
 until steps of other widths tell: then the data decide (a ridge of one step's weight). The half is
 an optimism the trimming tests: drafts it lets through are steps of other widths, which correct it.
 Measurements fade (decay), so after a long plain stretch the split returns to the half and the
