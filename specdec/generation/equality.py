@@ -22,7 +22,7 @@ NextLogits = Callable[[Sequence[int]], torch.Tensor]
 # TIE_ULPS units in the last place of the larger logit in the model's dtype where that is wider:
 # bf16 keeps 8 significant bits, so at |logit| 32-64 one unit is 0.25 and any two distinct logits
 # differ by at least that (a CPU bf16 run parted from plain decoding at gaps of 0.25 and 0.5). On one
-# H200 (8B random weights, bf16, |logits| 256-512 where a unit is 2) 57 divergences under load lay at
+# H200 (8B random weights, bf16, |logits| 256-512 where a unit is 2) 48 divergences under load lay at
 # 0-4 units, none beyond: the re-scored gap itself comes from another summation order (a prefill).
 DEFAULT_TIE_THRESHOLD = 0.05
 TIE_ULPS = 4
