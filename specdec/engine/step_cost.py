@@ -13,7 +13,7 @@ against a real 9.5. So the padded fit splits a slope it cannot tell apart half a
 until steps of other widths tell: then the data decide (a ridge of one step's weight). The half is
 an optimism the trimming tests: drafts it lets through are steps of other widths, which correct it.
 Measurements fade (decay), so after a long plain stretch the split returns to the half and the
-trimming tries a width again: where width is dear (a CPU), that costs a few slower steps.
+trimming tries a width again: where width is dear (a GPU at large batches), that costs a few slower steps.
 """
 
 from __future__ import annotations
