@@ -13,7 +13,8 @@ against a real 9.5. So the padded fit splits a slope it cannot tell apart half a
 until steps of other widths tell: then the data decide (a ridge of one step's weight). The half is
 an optimism the trimming tests: drafts it lets through are steps of other widths, which correct it.
 Measurements fade (decay), so after a long plain stretch the split returns to the half and the
-trimming tries a width again: where width is dear (a GPU at large batches), that costs a few slower steps.
+trimming tries a width again: where width is dear (a GPU at large batches), that costs a few slower
+steps.
 """
 
 from __future__ import annotations
@@ -56,8 +57,10 @@ class StepCost:
         if fitted is not None:
             seconds = min(seconds, self.outlier_ratio * (fitted[0] + fitted[1] * tokens))
         d = self.decay
-        self._w, self._r, self._n, self._t = d * self._w + 1, d * self._r + rows, d * self._n + tokens, d * self._t + seconds
-        self._rr, self._rn, self._nn = d * self._rr + rows * rows, d * self._rn + rows * tokens, d * self._nn + tokens * tokens
+        self._w, self._r, self._n, self._t = (d * self._w + 1, d * self._r + rows, d * self._n + tokens,
+                                              d * self._t + seconds)
+        self._rr, self._rn, self._nn = (d * self._rr + rows * rows, d * self._rn + rows * tokens,
+                                        d * self._nn + tokens * tokens)
         self._rt, self._nt = d * self._rt + rows * seconds, d * self._nt + tokens * seconds
 
     def fit(self, rows: int = 1) -> tuple[float, float] | None:
@@ -78,7 +81,8 @@ class StepCost:
         # then beta_token = v + s u and beta_row = u - beta_token. The ridge holds v at 0 (the untold
         # split) where z2 hardly varies, and gives way to the widths' evidence where it does.
         s = UNTOLD_SHARE
-        var_r, cov_rn, cov_rt = self._rr / w - mean_r * mean_r, self._rn / w - mean_r * mean_n, self._rt / w - mean_r * mean_t
+        var_r, cov_rn = self._rr / w - mean_r * mean_r, self._rn / w - mean_r * mean_n
+        cov_rt = self._rt / w - mean_r * mean_t
         var_1 = (1 - s) ** 2 * var_r + 2 * s * (1 - s) * cov_rn + s * s * var_n
         var_2 = var_n - 2 * cov_rn + var_r + self.ridge / w
         cov_12 = (1 - s) * (cov_rn - var_r) + s * (var_n - cov_rn)
