@@ -10,7 +10,7 @@ early EOS on either side shows up as a divergence).
 The rule is specdec.generation.equality.compare_outputs. With fp32 targets on both sides it is exact:
 any divergence is a failure. In bf16/fp16 a near-tie may flip between a multi-token verify and a
 one-token decode; telling it from a bug takes the target's logits at the divergence: the baseline
-target scores both tokens after the shared prefix (ScoreTokens), and a gap below the tie threshold
+target scores both tokens after the shared prefix (ScoreTokens), and a gap within the tie threshold
 (tie_threshold, at least 0.05, or a few units in the last place of the logits in the target's
 dtype) is a TIE, anything else FAILED. A target too old to score (or failing to) leaves the divergence UNSCORED:
 counted, and a rollback only when too many are (policy).

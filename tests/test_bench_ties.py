@@ -1,6 +1,6 @@
 """The benchmark's lossless check in bf16 / fp16 (specdec/bench/ties.py): an output that parts from
 plain decoding at batch 1 is re-scored by the target at its first divergence, and the report counts
-a logit gap below the tie threshold as a numerical tie, anything else as unexplained."""
+a logit gap within the tie threshold as a numerical tie, anything else as unexplained."""
 
 from __future__ import annotations
 

@@ -176,7 +176,7 @@ class RequestResult:
     # bf16 / fp16: where the output parts from plain decoding's at batch 1, the target's logit gap
     # between the two tokens at the first divergence (ties.py); None: not re-scored
     logit_gap: float | None = None
-    tie_threshold: float | None = None  # the gap below which that divergence is a numerical tie (its dtype's)
+    tie_threshold: float | None = None  # the gap within which that divergence is a numerical tie (its dtype's)
 
     @property
     def num_tokens(self) -> int:

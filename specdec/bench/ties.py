@@ -6,7 +6,7 @@ an output of a run in a reduced precision differs from plain decoding's at batch
 both tokens at the first divergence (TargetService.ScoreTokens, after the shared prefix) and the gap
 is kept on the request (RequestResult.logit_gap) with the tie threshold for the target's dtype
 (equality.tie_threshold: a few units in the last place of the logits, at least 0.05):
-report.lossless counts a gap below it as a numerical tie, anything else as unexplained. fp32 needs none of this: there equality is exact.
+report.lossless counts a gap within it as a numerical tie, anything else as unexplained. fp32 needs none of this: there equality is exact.
 """
 
 from __future__ import annotations

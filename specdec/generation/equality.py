@@ -31,7 +31,7 @@ EXACT_DTYPES = frozenset({"float32", "torch.float32", "fp32"})
 
 
 def tie_threshold(dtype: str, *logits: float, floor: float = DEFAULT_TIE_THRESHOLD) -> float:
-    """The gap below which logits computed in `dtype` count as tied: `floor`, or TIE_ULPS units in
+    """The gap within which logits computed in `dtype` count as tied: `floor`, or TIE_ULPS units in
     the last place of the largest of them in that dtype where that is wider."""
     try:
         info = torch.finfo(getattr(torch, dtype.removeprefix("torch.")))
