@@ -320,7 +320,10 @@ def test_a_replay_draft_hosted_by_the_target_accepts_what_alpha_says(models, tmp
     assert report["meta"]["replay"] == {"alphas": [0.9], "seed": 0, "alpha_spread": 0.1}
     for method in ("specdec-replay-0.9", "specdec-replay-target-0.9"):
         assert overall[method]["lossless_fraction"] == 1.0 and overall[method]["cycles"] > 0, method
-        assert overall[method]["acceptance_rate"] > 0.7, method  # the replayed tokens are the target's
+        # The replayed tokens are the target's: the tiny random draft alone agrees with it far less.
+        # A drafted token at alpha 0.8 with k = 4 is accepted 0.59 of the time on average (it needs
+        # the tokens before it accepted), at 1.0 always; this seed's draws give 0.61 together.
+        assert overall[method]["acceptance_rate"] > 0.5, method
         # One prompt at alpha 1.0 (every drafted token accepted), the other at 0.8 (about 30 tokens
         # drafted: all accepted with probability ~0.001).
         whole = sorted(r["stats"]["accepted"] == r["stats"]["drafted"] > 0

@@ -63,18 +63,33 @@ class ContextColumns:
         """Per row of scores (the pass's rows `rows`): (token, confidence) of its greedy pick, the
         confidence being the softmax of its scores at the pick (specdec.sampling.draft's
         draft_confidence); None where a tie or a non-finite maximum leaves it to the row's own path."""
-        if cpu_scores.usable(scores):
-            columns, ties, best, totals = cpu_scores.greedy(scores, self.widths[list(rows)])
-        else:
-            top, where = scores.max(dim=1)
-            columns, best = where.tolist(), top.tolist()
-            ties = (scores == top.unsqueeze(1)).sum(dim=1).tolist()
-            totals = torch.exp(scores - top.unsqueeze(1)).sum(dim=1).tolist()
         picks = []
-        for row, column, tied, top, total in zip(rows, columns, ties, best, totals):
-            if tied != 1 or not np.isfinite(top):
-                picks.append(None)
-                continue
-            token = self.head_ids[column] if column < self.head_width else self.context_ids[row][column - self.head_width]
-            picks.append((token, 1.0 / total))
+        for row, pick in zip(rows, greedy_columns(scores, self.widths[list(rows)])):
+            if pick is not None:
+                column, confidence = pick
+                token = (self.head_ids[column] if column < self.head_width
+                         else self.context_ids[row][column - self.head_width])
+                pick = (token, confidence)
+            picks.append(pick)
         return picks
+
+
+def greedy_columns(scores: torch.Tensor, widths: np.ndarray | None = None) -> list[tuple[int, float] | None]:
+    """Per row of scores [n, columns] (over its first widths[i] columns; the rest are -inf or absent):
+    (the column of its maximum, the softmax there), or None for a tie or no finite score. A full
+    head's columns are token ids, so this is a whole step's greedy picks: on a GPU one transfer for
+    the step, where a row at a time cost two synchronisations and seven kernels a row (an argmax, a
+    softmax's sum), twice the draft model's own forward at 8 rows (docs/BENCHMARKS.md, round 39)."""
+    if cpu_scores.usable(scores):
+        if widths is None:
+            widths = np.full(scores.shape[0], scores.shape[1], dtype=np.int64)
+        columns, ties, best, totals = cpu_scores.greedy(scores, widths)
+    else:
+        top, where = scores.max(dim=1)
+        ties = (scores == top.unsqueeze(1)).sum(dim=1)
+        totals = torch.exp(scores - top.unsqueeze(1)).sum(dim=1)
+        # One transfer: float64 holds every column index and float32 value exactly.
+        columns, ties, best, totals = torch.stack((where.double(), ties.double(), top.double(),
+                                                   totals.double())).tolist()
+    return [None if tied != 1 or not np.isfinite(top) else (int(column), 1.0 / total)
+            for column, tied, top, total in zip(columns, ties, best, totals)]

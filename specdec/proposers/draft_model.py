@@ -18,7 +18,7 @@ from specdec.errors import CacheFull, InvalidArgument
 from specdec.models import cpu_scores
 from specdec.models.base import CausalLM, ModelInfo
 from specdec.proposers.base import NextTokens
-from specdec.proposers.context_columns import ContextColumns
+from specdec.proposers.context_columns import ContextColumns, greedy_columns
 from specdec.proposers.copy_guess import CopyIndex, CopyRule, copied_token
 from specdec.sampling.draft import draft_confidence, pack_sparse, sample_draft_token
 from specdec.sampling.params import SamplingParams
@@ -247,17 +247,29 @@ class DraftModelProposer:
             if not active:  # every row stopped early on its confidence
                 break
             slots, feeds = [d.state.slot for d in active], [d.feed for d in active]
-            if columns is None:
-                for d, row_logits in zip(active, self.model.forward(slots, feeds, [1] * len(active))):
-                    self._draft_one(d, row_logits[-1])  # row_logits: [1, vocab]
+            greedy = [d.params.greedy and not d.num_ranked for d in active]
+            if columns is None:  # a full head: columns are token ids
+                logits = self._step_logits(slots, feeds)
+                picks = greedy_columns(logits) if any(greedy) else [None] * len(active)
+                for d, row_logits, is_greedy, pick in zip(active, logits, greedy, picks):
+                    if is_greedy and pick is not None:
+                        self._draft_one(d, row_logits, pick)
+                    else:  # samplers warp in place: a copy made outside inference mode
+                        self._draft_one(d, row_logits.clone())
                 continue
             logits, hidden = self.model.forward_packed(slots, feeds, [1] * len(active))
             in_pass = [pass_row[d.index] for d in active]
             scores = columns.scores(logits, hidden, in_pass)  # [active, head + padded context]
-            greedy = [d.params.greedy and not d.num_ranked for d in active]
             picks = columns.greedy(scores, in_pass) if any(greedy) else [None] * len(active)
             for d, row, row_scores, is_greedy, pick in zip(active, in_pass, scores, greedy, picks):
                 self._draft_one(d, row_scores[:columns.widths[row]], pick if is_greedy else None)
+
+    def _step_logits(self, slots: list[int], feeds: list[list[int]]) -> torch.Tensor:
+        """A full head's logits of a drafting step [rows, vocab], the last fed token's per row."""
+        packed = getattr(self.model, "forward_packed", None)  # the native backend's; others give rows
+        if packed is not None:
+            return packed(slots, feeds, [1] * len(slots))[0]
+        return torch.cat(self.model.forward(slots, feeds, [1] * len(slots)))
 
     def _draft_one(self, d: _Drafting, scores: torch.Tensor, greedy_pick: tuple[int, float] | None = None) -> None:
         """Draft row d's next token from its scores (the head's columns, then its context's).
