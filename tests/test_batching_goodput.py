@@ -13,6 +13,7 @@ import torch
 
 from specdec.engine.batch import DecodeWork, VerifyWork
 from specdec.engine.goodput import DraftTrimmer, StepCost, prefix, run_trimmed_batch
+from specdec.engine.inner_draft import InnerDraftWork
 from specdec.engine.target import TargetEngine
 from specdec.models.loader import load_model
 from specdec.sampling.params import SamplingParams
@@ -39,6 +40,11 @@ def teach(trimmer: DraftTrimmer, session_id: str, accepted: int, drafted: int, t
 
 def verify(session_id: str, k: int) -> VerifyWork:
     return VerifyWork(session_id, 10, DraftBlock(torch.arange(k)))
+
+
+def inner(session_id: str, k: int) -> InnerDraftWork:
+    """A row that drafts up to k tokens with the draft model the target hosts, then verifies them."""
+    return InnerDraftWork(session_id, 10, k, SamplingParams())
 
 
 def test_step_cost_fit():
@@ -111,7 +117,7 @@ def test_drafts_made_on_the_target_pay_for_the_draft_passes_too():
     free = trimmer.plan(rows, drafting_here=True)  # no draft pass measured yet: as a draft service's
     assert free == trimmer.plan(rows) and free[0] > 0
     trimmer.observe_draft(steps=4, seconds=4 * 0.012)
-    assert trimmer.draft_step_s == pytest.approx(0.012)
+    assert trimmer.draft_price.at(2) == pytest.approx(0.012)
     assert trimmer.plan(rows) == free  # drafts made elsewhere cost this step nothing
     assert trimmer.plan(rows, drafting_here=True)[0] < free[0]
 
@@ -133,7 +139,8 @@ def test_speculation_that_barely_pays_in_the_step_is_cut_by_the_margin():
 
 def test_each_plain_row_is_told_what_a_draft_of_its_own_would_have_kept():
     """draft_limits: for every DecodeWork row, the drafted tokens the same step would have verified
-    had that row been a verify of 8 (the others as they were): what trim itself keeps then."""
+    had that row been a verify of 8, the others as they were, or, where that is more, had every
+    plain row been one: what trim itself keeps then."""
     for beta, margin in ((BETA, 0.2), (BETA, 0.0), (0.05, 0.2), (0.0, 0.2)):
         trimmer = trimmer_with_cost(beta=beta, margin=margin)
         for session_id, accepted in (("good", 4), ("fair", 2), ("poor", 0)):
@@ -145,8 +152,9 @@ def test_each_plain_row_is_told_what_a_draft_of_its_own_would_have_kept():
                     continue  # alone (below)
                 trimmer.trim([DecodeWork(session_id, 10), *rows])
                 told = trimmer.draft_limits[session_id]
-                kept = trimmer.trim([verify(session_id, 8), *rows])[0].draft.num_tokens
-                assert told == kept, (beta, margin, others, session_id)
+                alone = trimmer.trim([verify(session_id, 8), *rows])[0].draft.num_tokens
+                together = trimmer.trim([verify(session_id, 8), *(verify(w.session_id, 8) for w in rows)])
+                assert told == max(alone, together[0].draft.num_tokens), (beta, margin, others, session_id)
     loaded = trimmer_with_cost(beta=0.05, margin=0.2)  # a compute-bound step: no draft pays
     loaded.trim([DecodeWork("a", 10), DecodeWork("b", 10)])
     assert loaded.draft_limits == {"a": 0, "b": 0}
@@ -155,6 +163,36 @@ def test_each_plain_row_is_told_what_a_draft_of_its_own_would_have_kept():
     assert flat.draft_limits == {"a": 8}  # only plain rows are told
     flat.trim([DecodeWork("a", 10)])
     assert flat.draft_limits == {}  # alone: the coordinator's call
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_plain_rows_that_pay_only_drafting_together_are_told_so(packed):
+    """The hosted draft's passes cost the whole step. At 8 sessions on one H200 (8B target, 1B draft
+    hosted, alpha 0.8) one row drafting alone slows the step for the 7 others and is cut, while all 8
+    drafting together commit about 20 tokens in 17 ms (2 draft steps of 3.7 ms at 8 rows) against
+    plain decoding's 8 in 9.4 ms. Told only its own probe, every plain row would hear 0 and the batch
+    would never draft. Priced by its rows: where 8 rows make a pass as dear as two target steps,
+    never."""
+    sessions = [f"s{i}" for i in range(8)]
+    plain = [DecodeWork(s, 10) for s in sessions]
+    trimmer = trimmer_with_cost(alpha=0.009, beta=0.00002, packed=packed)
+    for rows in (1, 2, 4, 8) * 2:  # 2.2 ms a step + 0.15 ms a row (round 39, one H200)
+        trimmer.observe_draft(steps=4, seconds=4 * (0.0022 + 0.00015 * rows), rows=rows)
+    assert trimmer.draft_price.at(8) == pytest.approx(0.0034)
+    for session_id in sessions:
+        teach(trimmer, session_id, 4, 5)  # acceptance about 0.8
+    assert trimmer.plan([inner("s0", 4), *plain[1:]], drafting_here=True)[0] == 0  # alone: cut
+    trimmer.trim(plain)
+    assert all(trimmer.draft_limits[s] >= 1 for s in sessions)
+    together = trimmer.plan([inner(s, 4) for s in sessions], drafting_here=True)
+    assert all(kept >= 1 for kept in together)  # and the step they ask for keeps their drafts
+    dear = trimmer_with_cost(alpha=0.009, beta=0.00002, packed=packed)
+    for rows in (1, 2, 4, 8) * 2:  # cheap alone, as dear as two target steps at 8 rows: never together
+        dear.observe_draft(steps=4, seconds=4 * (0.0022 + 0.0025 * (rows - 1)), rows=rows)
+    for session_id in sessions:
+        teach(dear, session_id, 4, 5)
+    dear.trim(plain)
+    assert all(dear.draft_limits[s] == 0 for s in sessions)
 
 
 def test_a_padded_target_that_saw_only_plain_steps_lets_wider_drafts_try():
@@ -313,7 +351,7 @@ def test_the_hosted_drafts_price_comes_from_passes_that_only_drafted(tiny_dir):
     pays a prefill: priced as draft steps, such passes made 8 ms of a 2.5 ms step on one H200, and
     the price kept every row from drafting again. Only passes whose rows only draft set it."""
     from specdec.engine.draft import DraftEngine
-    from specdec.engine.inner_draft import InnerDraftWork, run_inner_step
+    from specdec.engine.inner_draft import run_inner_step
     from specdec.proposers.draft_model import DraftModelProposer
 
     target = TargetEngine(load_model(tiny_dir, backend="native", num_slots=4, max_context=128))
@@ -323,7 +361,7 @@ def test_the_hosted_drafts_price_comes_from_passes_that_only_drafted(tiny_dir):
     position, first = target.start_session("s", prompt, SamplingParams())
     opening = InnerDraftWork("s", position, 2, SamplingParams(), open_with=tuple(prompt + [first]))
     result = run_inner_step(target, trimmer, drafts, [opening])[0]
-    assert trimmer.draft_step_s is None  # the pass opened the draft's session: a prefill
+    assert trimmer.draft_price.mean_s is None  # the pass opened the draft's session: a prefill
     committed = prompt + [first] + result.block.token_ids[:result.outcome.num_accepted].tolist() \
         + [result.outcome.next_token]
     keep = len(result.draft_tokens) if result.outcome.num_accepted == result.block.num_tokens else \
@@ -332,4 +370,4 @@ def test_the_hosted_drafts_price_comes_from_passes_that_only_drafted(tiny_dir):
                             append=tuple(committed[keep:]))
     assert len(steady.append) == 1
     run_inner_step(target, trimmer, drafts, [steady])
-    assert trimmer.draft_step_s is not None and trimmer.draft_step_s > 0
+    assert trimmer.draft_price.mean_s is not None and trimmer.draft_price.at(1) > 0

@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 
-from specdec.engine.step_cost import UNTOLD_SHARE, StepCost
+from specdec.engine.step_cost import UNTOLD_SHARE, DraftStepPrice, StepCost
 
 # One H200, 8B target with CUDA graphs (docs/BENCHMARKS.md, round 38): 6.1 ms a step, 0.38 ms a row,
 # 0.01 ms a token of width.
@@ -78,3 +78,19 @@ def test_a_graph_capture_inside_a_step_is_clamped():
     cost.observe(24, 0.2, 8)  # a first use of a shape past the warm-up context
     alpha, beta = cost.fit(8)
     assert alpha + beta * 40 < 1.25 * gpu_step(8, 5)
+
+
+def test_the_hosted_drafts_step_is_priced_by_its_rows():
+    """Nothing before a pass; the passes' mean while they all had the same rows; then a + b * rows
+    (one H200, 1B hosted draft, round 39: 2.3 ms a step at 1 row, 3.5 at 8, 4.6 at 16)."""
+    price = DraftStepPrice()
+    assert price.at(8) == 0.0
+    for _ in range(10):
+        price.observe(rows=8, steps=2, seconds=2 * 0.0035)
+    assert price.at(1) == price.at(16) == pytest.approx(0.0035)  # no slope told yet
+    for rows in (1, 16, 4, 8, 2, 12) * 4:
+        price.observe(rows=rows, steps=3, seconds=3 * (0.00215 + 0.000153 * rows))
+    assert price.at(1) == pytest.approx(0.0023, rel=0.05)
+    assert price.at(16) == pytest.approx(0.0046, rel=0.05)
+    price.observe(rows=4, steps=0, seconds=1.0)  # a pass that drafted nothing tells nothing
+    assert price.at(16) == pytest.approx(0.0046, rel=0.05)

@@ -27,9 +27,18 @@ drafting by itself (plain decoding while every drafted token is cut).
 
 The trimmer also tells each session that decodes plainly how many drafted tokens this step would
 have verified for it (draft_limits: its row as a verify of up to ADMISSION_PROBE_TOKENS at its own
-acceptance, the others as they are). A coordinator whose session speculates no longer probes while
-that is 0: under load every probe cost its session a draft round trip and the batch a longer step
-for nothing, and at 4 sessions on a CPU those probes were most of speculation's loss to plain decoding.
+acceptance, the others as they are; or, where that is more, what it would keep were every plain row
+of the step to probe with it). A coordinator whose session speculates no longer probes while that is
+0: under load every probe cost its session a draft round trip and the batch a longer step for
+nothing, and at 4 sessions on a CPU those probes were most of speculation's loss to plain decoding.
+The joint probe is there because some costs are the whole step's: the hosted draft's passes, and a
+padded step's width. One row's draft alone rarely pays for them, all rows' drafts together may: told
+only its own probe, every plain row hears 0 and the batch stays plain where drafting together would
+win (one H200, 8B / 1B hosted, 8 sessions at alpha 0.8: 2 draft steps of 3.5 ms and a 9.5 ms
+verify commit about 20 tokens, against a 9.4 ms plain step's 8). The hosted draft's passes are
+priced by the rows drafting in them (step_cost.DraftStepPrice): priced as one row's, 16 rows drafting
+together looked as cheap as one and drafted at 0.87 of plain decoding (docs/BENCHMARKS.md, rounds 38
+and 39).
 
 What a step cost cannot show, the round trips of a session drafting on a draft service, is priced
 per session over its whole cycle by cycle_wall.py; a session it refuses has its drafts cut to nothing
@@ -46,7 +55,7 @@ from typing import Sequence
 
 from specdec.engine.batch import DecodeWork, Result, VerifyWork, Work, run_target_batch
 from specdec.engine.cycle_wall import CycleWallPricing
-from specdec.engine.step_cost import StepCost
+from specdec.engine.step_cost import DraftStepPrice, StepCost
 from specdec.engine.step_plan import RowSpec, packed_plan, padded_width
 from specdec.engine.target import TargetEngine
 from specdec.types import DraftBlock, VerifyOutcome
@@ -85,10 +94,10 @@ class DraftTrimmer:
         # cost shows: cycle_wall.py prices the whole cycle and refuses sessions whose cycles lose.
         self.cycle_wall = CycleWallPricing(margin=margin, max_sessions=max_sessions) if price_cycles else None
         self.cost = StepCost(per_row=not packed)
-        # Seconds per step of the draft model the target hosts (specdec.engine.inner_draft), averaged
-        # over its draft passes; None until one ran. A step whose rows draft there runs width - 1 such
-        # steps on the same thread before its forward: part of what widening the step costs.
-        self.draft_step_s: float | None = None
+        # Seconds per step of the draft model the target hosts (specdec.engine.inner_draft) by the rows
+        # drafting, fitted over its draft passes; 0 until one ran. A step whose rows draft there runs
+        # width - 1 such steps on the same thread before its forward: part of what widening it costs.
+        self.draft_price = DraftStepPrice()
         self.trimmed_tokens = 0  # drafted tokens left unverified so far (a metric)
         self._sessions: OrderedDict[str, _Acceptance] = OrderedDict()  # least recently seen first
         # Session -> drafted tokens the last step would have verified for its plain row (see the
@@ -131,45 +140,70 @@ class DraftTrimmer:
             for width, gain in enumerate(row.gains(widest)):
                 totals[width] += gain
         bases = sorted((r.base for r in rows), reverse=True)
-        # The hosted draft's passes: width - 1 draft steps before the forward, for rows drafting here
-        # (and for the plain rows' probes, once this target has drafted: its sessions draft here).
-        step = self.draft_step_s or 0.0
-        drafting = [max(0, width - 1) * step for width in range(widest + 1)]
+        # The hosted draft's passes: width - 1 draft steps before the forward, priced by the rows
+        # drafting in them, for rows drafting here (and for the plain rows' probes, once this target
+        # has drafted: its sessions draft here).
+        here = _drafting_here(works)
+        probes = self._probes(works, rows, refused)
+
+        def drafting(num_rows: int) -> list[float]:
+            step = self.draft_price.at(num_rows)
+            return [max(0, width - 1) * step for width in range(widest + 1)]
+
         width = padded_width(len(rows), bases[0], totals, alpha, beta, self.margin,
-                             drafting if drafting_here else None)
+                             drafting(here) if drafting_here else None)
+        # Every plain row probing at once (the module's doc): a decode row gains 1 at any width, a
+        # probe its gains; rows that do not probe keep their widths.
+        joint = list(totals)
+        for probe in probes.values():
+            joint = [total - 1.0 + gain for total, gain in zip(joint, probe.gains(widest))]
+        joint_base = max([r.base for i, r in enumerate(rows) if i not in probes], default=1)
+        joint_width = padded_width(len(rows), joint_base, joint, alpha, beta, self.margin,
+                                   drafting(here + len(probes)))
+        alone_drafting = drafting(here + 1)
         limits = {}
         for index, work in enumerate(works):
             if isinstance(work, DecodeWork):  # what this row would keep as a verify of the probe's size
-                row, probe = rows[index], RowSpec(1, ADMISSION_PROBE_TOKENS, rows[index].acceptance)
-                others_base = bases[1] if row.base == bases[0] else bases[0]
-                # A decode row gains 1 at any width: swap that for the probe's gains.
+                probe = probes.get(index)
+                if probe is None:  # refused
+                    limits[work.session_id] = 0
+                    continue
+                others_base = bases[1] if rows[index].base == bases[0] else bases[0]
                 swapped = [total - 1.0 + gain for total, gain in zip(totals, probe.gains(widest))]
-                probe_width = padded_width(len(rows), max(others_base, 1), swapped, alpha, beta, self.margin,
-                                           drafting)
-                limits[work.session_id] = 0 if index in refused else max(0, min(probe.draft, probe_width - probe.base))
+                alone = padded_width(len(rows), max(others_base, 1), swapped, alpha, beta, self.margin,
+                                     alone_drafting)
+                limits[work.session_id] = max(0, min(probe.draft, max(alone, joint_width) - probe.base))
         self.draft_limits = limits
         return [max(0, min(row.draft, width - row.base)) for row in rows]
+
+    @staticmethod
+    def _probes(works: Sequence[Work], rows: list[RowSpec], refused: set[int]) -> dict[int, RowSpec]:
+        """The plain rows that may probe (not refused), each as a verify of the probe's size."""
+        return {i: RowSpec(1, ADMISSION_PROBE_TOKENS, rows[i].acceptance) for i, work in enumerate(works)
+                if isinstance(work, DecodeWork) and i not in refused}
 
     def _plan_packed(self, works: Sequence[Work], rows: list[RowSpec], refused: set[int], alpha: float,
                      beta: float, drafting_here: bool) -> list[int]:
         """plan() for a backend whose step costs the tokens it feeds (step_plan.py); a plain row's
         limit is what its probe would keep in the planned step (the hosted draft's passes priced, as
         in plan(), once this target has drafted)."""
-        step = self.draft_step_s or 0.0
-        planned = packed_plan(rows, alpha, beta, self.margin, step if drafting_here else 0.0)
+        here, probes = _drafting_here(works), self._probes(works, rows, refused)
+        price = self.draft_price.at
+        planned = packed_plan(rows, alpha, beta, self.margin, price(here) if drafting_here else 0.0)
+        # Every plain row probing at once (the module's doc): they share the hosted draft's passes.
+        joint = packed_plan([probes.get(i, row) for i, row in enumerate(rows)], alpha, beta, self.margin,
+                            price(here + len(probes))) if len(probes) > 1 else None
         self.draft_limits = {
-            work.session_id: 0 if index in refused else planned.limit(rows[index].acceptance, ADMISSION_PROBE_TOKENS,
-                                                                      beta, self.margin, step)
+            work.session_id: 0 if index not in probes else max(
+                planned.limit(rows[index].acceptance, ADMISSION_PROBE_TOKENS, beta, self.margin, price(here + 1)),
+                joint.kept[index] if joint is not None else 0)
             for index, work in enumerate(works) if isinstance(work, DecodeWork)
         }
         return planned.kept
 
-    def observe_draft(self, steps: int, seconds: float, decay: float = 0.9) -> None:
-        """A draft pass of the hosted draft model: `steps` draft steps (over all its rows) in `seconds`."""
-        if steps > 0:
-            per_step = seconds / steps
-            self.draft_step_s = per_step if self.draft_step_s is None else \
-                decay * self.draft_step_s + (1 - decay) * per_step
+    def observe_draft(self, steps: int, seconds: float, rows: int = 1) -> None:
+        """A draft pass of the hosted draft model: `steps` draft steps over `rows` rows in `seconds`."""
+        self.draft_price.observe(rows, steps, seconds)
 
     def admit_drafting_elsewhere(self, session_id: str, now: float, source: str = "") -> int | None:
         """A new session whose drafts will come from a draft service (`source`): 0 if the cycle pricing
@@ -225,6 +259,11 @@ class DraftTrimmer:
                 self._sessions.popitem(last=False)
         self._sessions.move_to_end(session_id)
         return stats
+
+
+def _drafting_here(works: Sequence[Work]) -> int:
+    """The rows that draft on this target before the step (inner_draft.InnerDraftWork)."""
+    return sum(1 for w in works if not isinstance(w, (VerifyWork, DecodeWork)))
 
 
 def _base_and_draft(work) -> tuple[int, int]:

@@ -208,7 +208,7 @@ def run_inner_step(target: TargetEngine, trimmer: DraftTrimmer | None, drafts: D
         # priced as draft steps, those made 8 ms of a 2.5 ms step on one H200 and kept every row
         # from drafting again, so the price never came down (docs/BENCHMARKS.md, round 38).
         trimmer.observe_draft(max((p.num_draft_tokens for _, p in proposes), default=0),
-                              (time.perf_counter_ns() - drafting_started) * 1e-9)
+                              (time.perf_counter_ns() - drafting_started) * 1e-9, rows=len(proposes))
     for (i, _), result in zip(proposes, proposed):
         if isinstance(result, Exception):
             failed[i] = result

@@ -19,7 +19,7 @@ steps.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 UNTOLD_SHARE = 0.5  # of a plain step's growth per row, what a padded fit charges to width until told
 
@@ -96,3 +96,31 @@ class StepCost:
         beta_row = max(0.0, u - beta_token)
         alpha = mean_t - beta_row * mean_r - beta_token * mean_n
         return max(alpha, 1e-6) + beta_row * rows, beta_token
+
+
+@dataclass
+class DraftStepPrice:
+    """What one step of the hosted draft model's batched pass costs, by the rows drafting in it
+    (specdec.engine.inner_draft): a + b * rows, fitted over the passes as StepCost fits tokens
+    alone; the passes' mean until passes of different rows tell the slope. One price whatever the
+    rows made 16 rows drafting together on one H200 look as cheap as one (2.4 ms a step, against
+    5-7 ms measured), and the batch drafted at a loss (docs/BENCHMARKS.md, rounds 38 and 39)."""
+
+    decay: float = 0.9  # of the mean; the fit keeps StepCost's
+    mean_s: float | None = None  # seconds a step, over the passes seen (None: no pass yet)
+    cost: StepCost = field(default_factory=lambda: StepCost(min_steps=4.0))
+
+    def observe(self, rows: int, steps: int, seconds: float) -> None:
+        """A pass of `steps` draft steps over `rows` rows took `seconds`."""
+        if steps <= 0 or rows <= 0:
+            return
+        per_step = seconds / steps
+        self.mean_s = per_step if self.mean_s is None else self.decay * self.mean_s + (1 - self.decay) * per_step
+        self.cost.observe(rows, per_step)
+
+    def at(self, rows: int) -> float:
+        """Seconds a draft step of `rows` rows (0 before any pass: nothing known, drafting is free)."""
+        if self.mean_s is None:
+            return 0.0
+        fitted = self.cost.fit(rows)
+        return self.mean_s if fitted is None else fitted[0] + fitted[1] * rows
