@@ -171,8 +171,9 @@ def test_plain_rows_that_pay_only_drafting_together_are_told_so(packed):
     hosted, alpha 0.8) one row drafting alone slows the step for the 7 others and is cut, while all 8
     drafting together commit about 20 tokens in 17 ms (2 draft steps of 3.7 ms at 8 rows) against
     plain decoding's 8 in 9.4 ms. Told only its own probe, every plain row would hear 0 and the batch
-    would never draft. Priced by its rows: where 8 rows make a pass as dear as two target steps,
-    never."""
+    would never draft. Not so for sessions drafting on a draft service (their round trips are priced
+    one session at a time). Priced by its rows: where 8 rows make a pass as dear as two target
+    steps, never."""
     sessions = [f"s{i}" for i in range(8)]
     plain = [DecodeWork(s, 10) for s in sessions]
     trimmer = trimmer_with_cost(alpha=0.009, beta=0.00002, packed=packed)
@@ -186,6 +187,10 @@ def test_plain_rows_that_pay_only_drafting_together_are_told_so(packed):
     assert all(trimmer.draft_limits[s] >= 1 for s in sessions)
     together = trimmer.plan([inner(s, 4) for s in sessions], drafting_here=True)
     assert all(kept >= 1 for kept in together)  # and the step they ask for keeps their drafts
+    for session_id in sessions:  # sessions drafting on a draft service probe one at a time
+        trimmer.admit_drafting_elsewhere(session_id, 0.0, "draft-service")
+    trimmer.trim(plain)
+    assert all(trimmer.draft_limits[s] == 0 for s in sessions)
     dear = trimmer_with_cost(alpha=0.009, beta=0.00002, packed=packed)
     for rows in (1, 2, 4, 8) * 2:  # cheap alone, as dear as two target steps at 8 rows: never together
         dear.observe_draft(steps=4, seconds=4 * (0.0022 + 0.0025 * (rows - 1)), rows=rows)

@@ -137,6 +137,10 @@ class CycleWallPricing:
             return _drafted_elsewhere(work) and self._turn(session_id, source, self.load(self._last_end)) > 0
         return pace.refused_for > 0
 
+    def drafts_elsewhere(self, session_id: str) -> bool:
+        """Whether the session said at its start that its drafts come from a draft service (admit)."""
+        return session_id in self._sources
+
     def admit(self, session_id: str, now: float, source: str = "") -> int:
         """A session that will draft elsewhere (at `source`) starts (StartSession says so): the plain
         steps it is refused for from the start (what is left of its source's latest refusal window; 0:

@@ -28,9 +28,10 @@ drafting by itself (plain decoding while every drafted token is cut).
 The trimmer also tells each session that decodes plainly how many drafted tokens this step would
 have verified for it (draft_limits: its row as a verify of up to ADMISSION_PROBE_TOKENS at its own
 acceptance, the others as they are; or, where that is more, what it would keep were every plain row
-of the step to probe with it). A coordinator whose session speculates no longer probes while that is
-0: under load every probe cost its session a draft round trip and the batch a longer step for
-nothing, and at 4 sessions on a CPU those probes were most of speculation's loss to plain decoding.
+of the step not drafting on a draft service to probe with it). A coordinator whose session
+speculates no longer probes while that is 0: under load every probe cost its session a draft round
+trip and the batch a longer step for nothing, and at 4 sessions on a CPU those probes were most of
+speculation's loss to plain decoding.
 The joint probe is there because some costs are the whole step's: the hosted draft's passes, and a
 padded step's width. One row's draft alone rarely pays for them, all rows' drafts together may: told
 only its own probe, every plain row hears 0 and the batch stays plain where drafting together would
@@ -154,12 +155,13 @@ class DraftTrimmer:
                              drafting(here) if drafting_here else None)
         # Every plain row probing at once (the module's doc): a decode row gains 1 at any width, a
         # probe its gains; rows that do not probe keep their widths.
+        together = self._together(works, probes)
         joint = list(totals)
-        for probe in probes.values():
+        for probe in together.values():
             joint = [total - 1.0 + gain for total, gain in zip(joint, probe.gains(widest))]
-        joint_base = max([r.base for i, r in enumerate(rows) if i not in probes], default=1)
+        joint_base = max([r.base for i, r in enumerate(rows) if i not in together], default=1)
         joint_width = padded_width(len(rows), joint_base, joint, alpha, beta, self.margin,
-                                   drafting(here + len(probes)))
+                                   drafting(here + len(together)))
         alone_drafting = drafting(here + 1)
         limits = {}
         for index, work in enumerate(works):
@@ -172,7 +174,8 @@ class DraftTrimmer:
                 swapped = [total - 1.0 + gain for total, gain in zip(totals, probe.gains(widest))]
                 alone = padded_width(len(rows), max(others_base, 1), swapped, alpha, beta, self.margin,
                                      alone_drafting)
-                limits[work.session_id] = max(0, min(probe.draft, max(alone, joint_width) - probe.base))
+                best = max(alone, joint_width) if index in together else alone
+                limits[work.session_id] = max(0, min(probe.draft, best - probe.base))
         self.draft_limits = limits
         return [max(0, min(row.draft, width - row.base)) for row in rows]
 
@@ -181,6 +184,15 @@ class DraftTrimmer:
         """The plain rows that may probe (not refused), each as a verify of the probe's size."""
         return {i: RowSpec(1, ADMISSION_PROBE_TOKENS, rows[i].acceptance) for i, work in enumerate(works)
                 if isinstance(work, DecodeWork) and i not in refused}
+
+    def _together(self, works: Sequence[Work], probes: dict[int, RowSpec]) -> dict[int, RowSpec]:
+        """The probes that may probe jointly: not those of sessions drafting on a draft service, whose
+        cycles also cost round trips the step does not show (cycle_wall.py prices them one session at
+        a time). Told to probe together on one H200, that pool fell from 0.95 / 1.00 of plain decoding
+        to 0.88 / 0.89 at 8 / 16 sessions (docs/BENCHMARKS.md, round 39)."""
+        if self.cycle_wall is None:
+            return probes
+        return {i: p for i, p in probes.items() if not self.cycle_wall.drafts_elsewhere(works[i].session_id)}
 
     def _plan_packed(self, works: Sequence[Work], rows: list[RowSpec], refused: set[int], alpha: float,
                      beta: float, drafting_here: bool) -> list[int]:
@@ -191,12 +203,13 @@ class DraftTrimmer:
         price = self.draft_price.at
         planned = packed_plan(rows, alpha, beta, self.margin, price(here) if drafting_here else 0.0)
         # Every plain row probing at once (the module's doc): they share the hosted draft's passes.
-        joint = packed_plan([probes.get(i, row) for i, row in enumerate(rows)], alpha, beta, self.margin,
-                            price(here + len(probes))) if len(probes) > 1 else None
+        together = self._together(works, probes)
+        joint = packed_plan([together.get(i, row) for i, row in enumerate(rows)], alpha, beta, self.margin,
+                            price(here + len(together))) if len(together) > 1 else None
         self.draft_limits = {
             work.session_id: 0 if index not in probes else max(
                 planned.limit(rows[index].acceptance, ADMISSION_PROBE_TOKENS, beta, self.margin, price(here + 1)),
-                joint.kept[index] if joint is not None else 0)
+                joint.kept[index] if joint is not None and index in together else 0)
             for index, work in enumerate(works) if isinstance(work, DecodeWork)
         }
         return planned.kept
