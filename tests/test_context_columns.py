@@ -10,7 +10,7 @@ import torch
 
 from specdec.models import cpu_scores
 from specdec.models.loader import load_model
-from specdec.proposers.context_columns import ContextColumns
+from specdec.proposers.context_columns import ContextColumns, greedy_columns
 from specdec.proposers.draft_model import DraftModelProposer
 from specdec.sampling.draft import draft_confidence
 from specdec.sampling.params import SamplingMode, SamplingParams
@@ -65,6 +65,17 @@ def test_greedy_picks_the_top_score_and_leaves_ties_and_non_finite_rows(path):
         assert pick[1] == pytest.approx(draft_confidence(row[:width], token, None, None, True), rel=1e-6)
 
 
+def test_a_full_heads_step_is_picked_at_once_as_row_by_row(path):
+    """greedy_columns over a full head's logits (columns are token ids): the row's argmax and its
+    softmax there, as draft_confidence gives; a tie or nothing finite is left to the row's own path."""
+    inf = float("-inf")
+    logits = torch.tensor([[0.5, 2.0, -1.0, 1.0], [3.0, 3.0, 0.0, 1.0], [inf, inf, inf, inf], [0.0, 0.0, 0.1, 0.0]])
+    picks = greedy_columns(logits)
+    assert [p if p is None else p[0] for p in picks] == [1, None, None, 2]
+    for pick, row in zip((picks[0], picks[3]), (logits[0], logits[3])):
+        assert pick[1] == pytest.approx(draft_confidence(row, pick[0], None, None, True), rel=1e-6)
+
+
 @pytest.fixture(scope="module")
 def draft_dir(tmp_path_factory):
     path = make_tiny_model(tmp_path_factory.mktemp("columns") / "draft", vocab_size=256, seed=5)
@@ -73,18 +84,20 @@ def draft_dir(tmp_path_factory):
     return path
 
 
+@pytest.mark.parametrize("head_vocab", [32, None])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
-def test_a_mixed_batch_proposes_what_each_row_proposes_alone(draft_dir, device):
+def test_a_mixed_batch_proposes_what_each_row_proposes_alone(draft_dir, device, head_vocab):
     """Greedy, sampled and Gumbel rows with contexts of different lengths (one inside the head only),
     drafting different lengths, in one batch: each gets the tokens it gets alone, and the same
     distributions to rounding (a row's numbers in a batched forward differ in the last bits). On a
-    GPU the scores and picks go through PyTorch's operators instead of the compiled loops."""
+    GPU the scores and picks go through PyTorch's operators instead of the compiled loops. With the
+    full head (None: a GPU's) the greedy rows are picked together too (greedy_columns)."""
     def proposer() -> DraftModelProposer:
-        return DraftModelProposer(load_model(draft_dir, device=device, num_slots=8, max_context=128, head_vocab=32),
-                                  top_m=16)
+        return DraftModelProposer(load_model(draft_dir, device=device, num_slots=8, max_context=128,
+                                             head_vocab=head_vocab), top_m=16)
 
-    head = proposer()._head.tolist()
+    head = proposer()._head.tolist() if head_vocab else list(range(32))
     generator = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 256, (n,), generator=generator).tolist() for n in (30, 12, 45)]
     prompts.append(head[:5] * 3)  # every token inside the head: no context columns
