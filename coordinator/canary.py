@@ -269,7 +269,7 @@ def build_canary(settings: CanarySettings, redis_client, prefix: str, sessions, 
                  registry) -> CanaryController:
     """The controller, wired in: it chooses the pool of new sessions and observes every request."""
     store = CanaryStore(redis_client, prefix, max_samples=settings.max_samples)
-    checker = EqualityChecker(sessions.store, router, telemetry.tracer)
+    checker = EqualityChecker(sessions.store, router, telemetry.tracer, tie_units=settings.tie_units)
     controller = CanaryController(store, settings, checker, CanaryMetrics(registry), router)
     sessions.claims.choose_pool = controller.choose_pool
     telemetry.request_observers.append(controller.observe)

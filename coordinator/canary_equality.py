@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from opentelemetry import trace
 
 from specdec.errors import ServiceUnavailable, SessionNotFound
-from specdec.generation.equality import (DEFAULT_TIE_THRESHOLD, EXACT_DTYPES, EqualityReport, compare_outputs, rescored,
-                                         tie_threshold)
+from specdec.generation.equality import (DEFAULT_TIE_THRESHOLD, EXACT_DTYPES, TIE_ULPS, EqualityReport,
+                                         compare_outputs, rescored, tie_threshold)
 from specdec.sampling.params import SamplingMode
 from specdec.store import SessionStore
 
@@ -50,9 +50,9 @@ class Replay:
 
 class EqualityChecker:
     def __init__(self, sessions: SessionStore, router: Router, tracer: trace.Tracer, *,
-                 tie_threshold: float = DEFAULT_TIE_THRESHOLD):
+                 tie_threshold: float = DEFAULT_TIE_THRESHOLD, tie_units: float = TIE_ULPS):
         self.sessions, self.router, self.tracer = sessions, router, tracer
-        self.tie_threshold = tie_threshold
+        self.tie_threshold, self.tie_units = tie_threshold, tie_units
 
     async def check(self, replay: Replay) -> dict | None:
         """The check's record (see docs/CANARY.md), or None when the turn does not qualify."""
@@ -115,7 +115,8 @@ class EqualityChecker:
         except Exception as exc:  # noqa: BLE001 - unscored, not failed: the policy counts those apart
             log.warning("canary equality check: could not re-score a divergence on %s: %r", endpoint, exc)
             return report, False
-        threshold = tie_threshold(dtype, candidate_logit, reference_logit, floor=self.tie_threshold)
+        threshold = tie_threshold(dtype, candidate_logit, reference_logit, floor=self.tie_threshold,
+                                  units=self.tie_units)
         return rescored(report, candidate_logit, reference_logit, threshold), True
 
     async def _plain(self, endpoint: str, prompt: list[int], n: int, params) -> list[int]:

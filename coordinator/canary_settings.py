@@ -11,6 +11,7 @@
     --canary-ttft-margin 0.5        the same for time to first token
     --canary-error-margin 0.01      roll back if the speculative error rate is higher by this
     --canary-equality-sample 0.05   share of greedy / Gumbel speculative requests replayed on baseline
+    --canary-tie-units 4            bf16 / fp16: a divergence within this many units in the last place is a tie
     --canary-interval 10            seconds between two decisions of the lease holder
     --canary-lease 30               seconds the decider lease lasts without renewal
 See docs/CANARY.md for the rules these feed.
@@ -22,6 +23,7 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
+from specdec.generation.equality import TIE_ULPS
 from specdec.server.settings import ConfigError
 
 from coordinator.canary_policy import CanaryPolicy
@@ -35,10 +37,13 @@ class CanarySettings:
     lease_s: float = 30.0
     max_samples: int = 2000  # per pool, kept in Redis
     max_concurrent_checks: int = 2  # replays in flight per coordinator; more are skipped
+    tie_units: float = TIE_ULPS  # bf16 / fp16: the equality check's tie rule (specdec.generation.equality)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.equality_sample <= 1.0:
             raise ConfigError(f"--canary-equality-sample must be in [0, 1], got {self.equality_sample}")
+        if not self.tie_units >= 0:  # also refuses NaN
+            raise ConfigError(f"--canary-tie-units must be >= 0 (0: only the 0.05 floor), got {self.tie_units}")
         if not self.interval_s > 0:
             raise ConfigError(f"--canary-interval must be > 0 seconds, got {self.interval_s}")
         if not self.lease_s >= 2 * self.interval_s:
@@ -69,6 +74,10 @@ def add_canary_arguments(parser: argparse.ArgumentParser, environ=os.environ) ->
                    help="roll back if the speculative error rate exceeds baseline's by more than this")
     g.add_argument("--canary-equality-sample", type=float, default=0.05,
                    help="share of greedy / Gumbel-sampled speculative requests replayed on the baseline")
+    g.add_argument("--canary-tie-units", type=float, default=TIE_ULPS,
+                   help="bf16 / fp16 targets: a divergence whose logit gap on the baseline target is within "
+                        "this many units in the last place of the logits (at least 0.05) is a numerical tie, "
+                        "a wider one a failure (default: %(default)s; docs/CANARY.md)")
     g.add_argument("--canary-interval", type=float, default=10.0, help="seconds between decisions")
     g.add_argument("--canary-lease", type=float, default=30.0,
                    help="seconds the decider lease lasts unless renewed (one coordinator decides at a time)")
@@ -88,4 +97,4 @@ def canary_settings_from_args(args: argparse.Namespace) -> CanarySettings | None
     except ValueError as exc:
         raise ConfigError(f"--canary-*: {exc}") from None
     return CanarySettings(policy, equality_sample=args.canary_equality_sample, interval_s=args.canary_interval,
-                          lease_s=args.canary_lease)
+                          lease_s=args.canary_lease, tie_units=args.canary_tie_units)

@@ -44,6 +44,30 @@ def test_the_tie_threshold_is_a_few_units_of_the_dtypes_precision_at_least_the_f
     assert tie_threshold("torch.float16", 40.0) == 4 * 2.0 ** -10 * 32
     assert tie_threshold("bfloat16", 0.1) == DEFAULT_TIE_THRESHOLD  # small logits: the floor
     assert tie_threshold("float32", 40.0) == DEFAULT_TIE_THRESHOLD and tie_threshold("q4", 40.0) == DEFAULT_TIE_THRESHOLD
+    assert tie_threshold("bfloat16", 40.0, units=8) == 8 * 0.25  # --tie-units / --canary-tie-units
+    assert tie_threshold("bfloat16", 40.0, units=0) == DEFAULT_TIE_THRESHOLD
+
+
+def test_the_tie_units_are_settings_that_refuse_what_means_nothing():
+    import argparse
+
+    from coordinator.canary_settings import add_canary_arguments, canary_settings_from_args
+    from specdec.commands.bench import add_parser
+    from specdec.generation.equality import TIE_ULPS
+    from specdec.server.settings import ConfigError
+
+    canary = argparse.ArgumentParser()
+    add_canary_arguments(canary, environ={})
+    assert canary_settings_from_args(canary.parse_args(["--canary"])).tie_units == TIE_ULPS
+    assert canary_settings_from_args(canary.parse_args(["--canary", "--canary-tie-units", "6"])).tie_units == 6
+    with pytest.raises(ConfigError, match="--canary-tie-units must be >= 0"):
+        canary_settings_from_args(canary.parse_args(["--canary", "--canary-tie-units", "-1"]))
+    cli = argparse.ArgumentParser()
+    add_parser(cli.add_subparsers())
+    assert cli.parse_args(["bench", "--tie-units", "6"]).tie_units == 6
+    assert cli.parse_args(["bench"]).tie_units is None  # the runner's default: equality.TIE_ULPS
+    with pytest.raises(SystemExit):
+        cli.parse_args(["bench", "--tie-units", "nan"])
 
 
 async def test_the_target_scores_each_divergence_at_its_first_differing_token(tmp_path):
@@ -68,6 +92,7 @@ def test_a_bf16_run_scores_every_output_that_parts_from_plain_decoding(tmp_path)
     phases the target scores each divergence, and every differing output is counted as a tie or
     as unexplained (at batch 1 and under load)."""
     import json
+    import math
     import os
     import subprocess
     import sys
@@ -92,17 +117,21 @@ def test_a_bf16_run_scores_every_output_that_parts_from_plain_decoding(tmp_path)
          "--dtype", "bfloat16", "--prompts", str(prompts), "--max-new-tokens", "48", "--threads", "1",
          "--methods", "plain,specdec-draft,specdec-draft-target", "--k-policy", "fixed", "--concurrency", "1,3",
          "--concurrency-prompts", "3", "--concurrency-rounds", "1", "--timing-repeats", "1", "--no-progress",
-         "--out", str(out), "--log-dir", str(tmp_path / "logs")],
+         "--tie-units", "6", "--out", str(out), "--log-dir", str(tmp_path / "logs")],
         cwd=REPO, capture_output=True, text=True, timeout=400, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(out.read_text())
     assert report["meta"]["dtype"] == "bfloat16" and isinstance(report["meta"]["rescored_divergences"], int)
+    assert report["meta"]["tie_units"] == 6
     plain = {r["question_id"]: r["token_ids"] for r in report["requests"]
              if r["phase"] == "batch1" and r["method"] == "plain"}
     for r in report["requests"]:
         n = min(len(r["token_ids"]), len(plain[r["question_id"]]))
         if r["token_ids"][:n] != plain[r["question_id"]][:n]:  # parted from plain decoding: scored
             assert r["logit_gap"] is not None and r["tie_threshold"] >= 0.05, r
+            # --tie-units 6: the 0.05 floor, or six bf16 units (a power of two each) of the larger logit
+            units = r["tie_threshold"] / 6
+            assert r["tie_threshold"] == 0.05 or units == 2.0 ** round(math.log2(units)), r
     for table in [report["batch1"]["overall"], *report["concurrency"].values()]:
         for name, m in table.items():
             if isinstance(m, dict) and m.get("lossless_checked"):

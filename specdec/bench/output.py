@@ -140,7 +140,8 @@ def assemble(bench: Bench, collected: Collected) -> dict:
                          "process": "Poisson (exponential gaps), the same instants for every method of a round; "
                                     "latency counts from arrival, client-side waits for a session included"}
             if c.arrival_rates else None,
-            "hf": notes.get("hf"), "warmup_s": notes.get("warmup_s"), "rescored_divergences": notes.get("rescored_divergences"), "log_dir": notes.get("log_dir"),
+            "hf": notes.get("hf"), "warmup_s": notes.get("warmup_s"), "rescored_divergences": notes.get("rescored_divergences"),
+            "tie_units": c.tie_units, "log_dir": notes.get("log_dir"),
         },
         "methods": bench.describe_methods(),
         **sections(collected.results, collected.times, bench.methods, fixed_k, notes),

@@ -25,7 +25,7 @@ from specdec.bench.methods import (CATALOG, PLAIN_SERVICE_METHODS, REPLAY_PREFIX
 from specdec.bench.prompts import load_prompts, select_prompts
 from specdec.bench.services import Deployment, ServiceOptions
 from specdec.bench.timing import EngineTimer, StepTimes
-from specdec.generation.equality import EXACT_DTYPES
+from specdec.generation.equality import EXACT_DTYPES, TIE_ULPS
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,7 @@ class BenchConfig:
     replay_seed: int = 0
     replay_alpha_spread: float = 0.0  # each prompt's alpha over alpha +- this (proposers/replay.py)
     ignore_eos: bool = False  # random-weight models: always generate max_new_tokens
+    tie_units: float = TIE_ULPS  # bf16 / fp16: a divergence within this many units in the last place is a tie
     runs: int = 1
     concurrency: tuple[int, ...] = (1,)
     concurrency_prompts: int = 16
@@ -269,7 +270,7 @@ class Bench:
                 if self.config.dtype not in EXACT_DTYPES:  # near-ties may flip: the target re-scores
                     try:
                         scored = await ties.rescore(self.collected.results, self.prompt_ids, deployment.target.address,
-                                                    self.config.dtype)
+                                                    self.config.dtype, self.config.tie_units)
                         self.collected.notes["rescored_divergences"] = scored
                     except Exception as exc:  # noqa: BLE001 - the run's numbers stand without it
                         log.warning("could not re-score the outputs that part from plain decoding: %r", exc)

@@ -12,14 +12,15 @@ report.lossless counts a gap within it as a numerical tie, anything else as unex
 from __future__ import annotations
 
 from specdec.bench.methods import RequestResult
-from specdec.generation.equality import compare_outputs, tie_threshold
+from specdec.generation.equality import TIE_ULPS, compare_outputs, tie_threshold
 from specdec.server.settings import ClientSettings
 
 
 async def rescore(results: list[RequestResult], prompt_ids: dict[str, list[int]], target_address: str,
-                  dtype: str) -> int:
-    """Set logit_gap and tie_threshold (equality.tie_threshold for the target's dtype) on every result
-    that differs from plain decoding's at batch 1; how many divergences were scored."""
+                  dtype: str, units: float = TIE_ULPS) -> int:
+    """Set logit_gap and tie_threshold (equality.tie_threshold for the target's dtype, `units` units
+    in the last place) on every result that differs from plain decoding's at batch 1; how many
+    divergences were scored."""
     from target_service.client import connect
 
     reference: dict[str, list[int]] = {}
@@ -39,6 +40,7 @@ async def rescore(results: list[RequestResult], prompt_ids: dict[str, list[int]]
             if key not in gaps:
                 (candidate, reference_logit), _ = await target.score_tokens(
                     prompt_ids[r.question_id] + plain[:i], [r.token_ids[i], plain[i]])
-                gaps[key] = abs(candidate - reference_logit), tie_threshold(dtype, candidate, reference_logit)
+                gaps[key] = abs(candidate - reference_logit), tie_threshold(dtype, candidate, reference_logit,
+                                                                                   units=units)
             r.logit_gap, r.tie_threshold = gaps[key]
     return len(gaps)

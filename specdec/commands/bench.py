@@ -110,6 +110,10 @@ def add_parser(subparsers) -> None:
                        help="give each prompt its own alpha, evenly spaced over alpha +- this (a mix of "
                             "predictable and unpredictable prompts; default 0: one alpha for all)")
     scale.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens")
+    scale.add_argument("--tie-units", type=_tie_units, default=None,
+                       help="bf16 / fp16: a divergence from plain decoding whose re-scored logit gap is within "
+                            "this many units in the last place of the logits (at least 0.05) is a numerical "
+                            "tie, a wider one unexplained (default: specdec.generation.equality.TIE_ULPS, 4)")
     scale.add_argument("--floor", action="store_true",
                        help="measure the memory-bandwidth floor of a target step (weight bytes / copy bandwidth)")
     parser.add_argument("--timing-repeats", type=int, default=3, help="engine step timings per prompt")
@@ -143,6 +147,13 @@ def _spread(text: str) -> float:
     return value
 
 
+def _tie_units(text: str) -> float:
+    value = float(text)
+    if not value >= 0.0:  # also refuses NaN
+        raise argparse.ArgumentTypeError(f"--tie-units must be >= 0 (0: only the 0.05 floor), got {text}")
+    return value
+
+
 def default_draft() -> str | None:
     from specdec.commands.generate import default_draft as packaged_or_ngram
 
@@ -171,6 +182,7 @@ def build_config(args: argparse.Namespace):
         max_context=args.max_context,
         timing_repeats=args.timing_repeats, seed=args.seed, log_dir=args.log_dir, replay_alphas=args.replay_alpha,
         replay_seed=args.replay_seed, replay_alpha_spread=args.replay_alpha_spread, ignore_eos=args.ignore_eos,
+        **({} if args.tie_units is None else {"tie_units": args.tie_units}),
         floor=args.floor,
         target_args=tuple(args.target_arg), draft_args=tuple(args.draft_arg), coordinator_args=tuple(args.coordinator_arg),
     )

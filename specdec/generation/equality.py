@@ -30,9 +30,10 @@ TIE_ULPS = 4
 EXACT_DTYPES = frozenset({"float32", "torch.float32", "fp32"})
 
 
-def tie_threshold(dtype: str, *logits: float, floor: float = DEFAULT_TIE_THRESHOLD) -> float:
-    """The gap within which logits computed in `dtype` count as tied: `floor`, or TIE_ULPS units in
-    the last place of the largest of them in that dtype where that is wider."""
+def tie_threshold(dtype: str, *logits: float, floor: float = DEFAULT_TIE_THRESHOLD, units: float = TIE_ULPS) -> float:
+    """The gap within which logits computed in `dtype` count as tied: `floor`, or `units` units in
+    the last place of the largest of them in that dtype where that is wider (the benchmark's
+    --tie-units, the canary's --canary-tie-units)."""
     try:
         info = torch.finfo(getattr(torch, dtype.removeprefix("torch.")))
     except (AttributeError, TypeError):  # not a floating dtype torch knows
@@ -41,7 +42,7 @@ def tie_threshold(dtype: str, *logits: float, floor: float = DEFAULT_TIE_THRESHO
     if magnitude == 0.0 or not math.isfinite(magnitude):
         return floor
     unit = info.eps * 2.0 ** math.floor(math.log2(magnitude))
-    return max(floor, TIE_ULPS * unit)
+    return max(floor, units * unit)
 
 
 @dataclass(frozen=True)
