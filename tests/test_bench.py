@@ -500,3 +500,20 @@ def test_overhead_parts_are_split_only_where_every_call_lay_on_the_cycles_path()
     cost = cycle_cost(pipelined)
     assert "overhead_parts_s_per_cycle" not in cost
     assert cost["overhead_s_per_cycle"] == pytest.approx(0.02)  # (1.0 - 0.9 + 0.1) / 10
+
+
+def test_the_replay_remembers_a_session_that_left_every_reference(monkeypatch):
+    """Off every reference, a session's longer sequences are not searched for again; rolled back to
+    a reference's prefix, it follows that reference again."""
+    from specdec.proposers.replay import ReplayProposer
+
+    proposer = ReplayProposer(None, [[1, 2, 3, 4, 5, 6], [1, 2, 9, 9, 9, 9]], 0.5)
+    searched = []
+    real = ReplayProposer._extends
+    monkeypatch.setattr(ReplayProposer, "_extends", staticmethod(lambda ref, ids: searched.append(1) or real(ref, ids)))
+    assert proposer._reference("s", [1, 2, 3]) == 0
+    assert proposer._reference("s", [1, 2, 7]) is None
+    searched.clear()
+    assert proposer._reference("s", [1, 2, 7, 8]) is None and not searched  # extends a miss: no search
+    assert proposer._reference("s", [1, 2, 9]) == 1 and searched  # rolled back, then another way: found
+    assert proposer._reference("s", [1, 2, 9, 9]) == 1
