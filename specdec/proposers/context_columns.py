@@ -79,7 +79,8 @@ def greedy_columns(scores: torch.Tensor, widths: np.ndarray | None = None) -> li
     (the column of its maximum, the softmax there), or None for a tie or no finite score. A full
     head's columns are token ids, so this is a whole step's greedy picks: on a GPU one transfer for
     the step, where a row at a time cost two synchronisations and seven kernels a row (an argmax, a
-    softmax's sum), twice the draft model's own forward at 8 rows (docs/BENCHMARKS.md, round 39)."""
+    softmax's sum), at 8 rows on one H200 about as long as the 1B draft's forward itself
+    (docs/BENCHMARKS.md, round 39)."""
     if cpu_scores.usable(scores):
         if widths is None:
             widths = np.full(scores.shape[0], scores.shape[1], dtype=np.int64)
