@@ -219,6 +219,28 @@ def test_a_padded_target_that_saw_only_plain_steps_lets_wider_drafts_try():
     assert kept == {"tokens alone": {1}, "rows apart": {2}}
 
 
+def test_a_hosted_batch_drafts_together_again_after_another_pools_plain_stretch():
+    """One H200, 8B target, 1B draft hosted (round 40's trace of the target's plans): after the
+    hosted pool had drafted at 8 sessions, other pools' plain steps (16 rows, fewer at their waves'
+    ends), then 16 new hosted sessions, all plain. Priced at the untold half again (0.17 ms a token
+    against 0.0125 told), one more token on 16 rows looked 2.9 ms dear (0.2 told) and the joint probe said no:
+    whole waves decoded plainly at 0.94 of plain decoding, where drafting together gave 1.11.
+    Remembering what the widths told, every row is told to draft."""
+    def step(rows: int, width: int) -> float:
+        return 0.0050 + 0.000345 * rows + 0.0000125 * rows * (width - 1)
+
+    trimmer = DraftTrimmer()
+    for rows, width in itertools.product(range(1, 9), (2, 3, 2, 1)):  # the hosted pool at 8 sessions
+        trimmer.cost.observe(rows * width, step(rows, width), rows)
+        if width > 1:  # 2.3 ms a draft step at 1 row, 3.8 at 8: 6 ms at 16 rows, as the passes extrapolate
+            trimmer.observe_draft(steps=width - 1, seconds=(width - 1) * (0.00207 + 0.00025 * rows), rows=rows)
+    for rows in ([16] * 30 + list(range(16, 0, -1))) * 20:  # other pools' plain steps (920)
+        trimmer.cost.observe(rows, step(rows, 1), rows)
+    sessions = [f"s{i}" for i in range(16)]
+    trimmer.plan([DecodeWork(s, 100) for s in sessions])
+    assert all(trimmer.draft_limits[s] >= 1 for s in sessions)
+
+
 def test_prefix_keeps_the_distributions_of_the_kept_tokens():
     block = DraftBlock(torch.tensor([4, 5, 6]), torch.tensor([[4, 1], [5, 2], [6, 3]]),
                        torch.tensor([[0.5, 0.5], [0.9, 0.1], [1.0, 0.0]]))

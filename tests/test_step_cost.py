@@ -1,6 +1,7 @@
 """The target's step-cost fit (specdec.engine.step_cost): tokens alone where the backend packs ragged
 rows; for padded steps, what rows cost apart from what width costs, with an untold split held at
-half and half until steps of other widths tell them apart."""
+half and half until steps of other widths tell them apart, and at what they last told where that
+was cheaper."""
 
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ def test_steps_of_other_widths_tell_rows_from_tokens():
 
 
 def test_the_split_returns_to_half_after_a_long_plain_stretch():
-    """Measurements fade: long after the last wide step the trimming tries a width again."""
+    """Measurements fade: long after the last wide step the trimming tries a width again (where the
+    widths told that width is dearer than the half, the half is what is remembered)."""
     cost = StepCost(per_row=True)
     for rows, width in itertools.product(range(1, 9), (1, 5)):
         cost.observe(rows * width, 0.04 + 0.003 * rows * width, rows)
@@ -69,6 +71,25 @@ def test_the_split_returns_to_half_after_a_long_plain_stretch():
         cost.observe(rows, 0.04 + 0.003 * rows, rows)
     assert told == pytest.approx(0.003, rel=0.02)
     assert cost.fit(8)[1] < 0.65 * told  # most of the way back to the untold half (0.0015)
+
+
+def test_a_cheap_width_is_remembered_through_a_plain_stretch():
+    """Where the widths told that width is cheap (a GPU: 0.01 ms a token against 0.38 ms a row), a
+    long plain stretch (another pool's turn on the same target) returns the fit to that split, not to
+    the half, which would price one more token on 16 rows at 3 ms against 0.16 (round 40)."""
+    cost = StepCost(per_row=True)
+    for rows, width in itertools.product(range(1, 9), (1, 1, 1, 3, 5)):
+        cost.observe(rows * width, gpu_step(rows, width), rows)
+    assert cost.share == pytest.approx(PER_TOKEN / (PER_ROW + PER_TOKEN), rel=0.05)
+    for rows in [16, 16, 16, 15, 16, 12, 16, 9] * 60:  # 480 plain steps
+        cost.observe(rows, gpu_step(rows, 1), rows)
+    alpha, beta = cost.fit(16)
+    assert beta == pytest.approx(PER_TOKEN, rel=0.1)
+    assert alpha + beta * 32 == pytest.approx(gpu_step(16, 2), rel=0.02)
+    fresh = StepCost(per_row=True)  # never told: the half, as before
+    for rows in [16, 16, 16, 15, 16, 12, 16, 9] * 60:
+        fresh.observe(rows, gpu_step(rows, 1), rows)
+    assert fresh.share == UNTOLD_SHARE and fresh.fit(16)[1] > 10 * PER_TOKEN
 
 
 def test_a_graph_capture_inside_a_step_is_clamped():

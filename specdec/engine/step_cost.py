@@ -12,9 +12,14 @@ from 1 to 5 tokens adds about 0.4 ms in all; the tokens-alone fit priced that wi
 against a real 9.5. So the padded fit splits a slope it cannot tell apart half and half (UNTOLD_SHARE)
 until steps of other widths tell: then the data decide (a ridge of one step's weight). The half is
 an optimism the trimming tests: drafts it lets through are steps of other widths, which correct it.
-Measurements fade (decay), so after a long plain stretch the split returns to the half and the
-trimming tries a width again: where width is dear (a GPU at large batches), that costs a few slower
-steps.
+Measurements fade (decay), so after a long plain stretch the split returns to what the widths last
+told (`share`, learned from every wider step), or to the half where they told width was dearer: the
+trimming then tries a width again, and where width is dear that costs a few slower steps. Only the
+cheaper side is remembered, because only an optimistic price is tested (a pessimistic one lets no
+draft through, so nothing corrects it). Returning to the half on a GPU, where width costs 4% of a
+row's growth, priced a 16-row step one token wider at about +2.8 ms against +0.2 told; after a plain
+stretch (another pool's turn, a wave of new sessions) a batch that had drafted together at 1.11x of
+plain decoding stayed plain for whole waves (one H200, 8B / 1B hosted; docs/BENCHMARKS.md, round 40).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ class StepCost:
     outlier_ratio: float = 2.0
     per_row: bool = False
     ridge: float = 1.0  # padded: the weight of the untold split against the widths' evidence
+    share: float = UNTOLD_SHARE  # padded: the untold split, as the widths last told it (at most the half)
     # Weighted sums of 1, rows (r), tokens (n), seconds (t) and their products.
     _w: float = 0.0
     _r: float = 0.0
@@ -62,10 +68,26 @@ class StepCost:
         self._rr, self._rn, self._nn = (d * self._rr + rows * rows, d * self._rn + rows * tokens,
                                         d * self._nn + tokens * tokens)
         self._rt, self._nt = d * self._rt + rows * seconds, d * self._nt + tokens * seconds
+        if self.per_row and tokens != rows:  # a step wider than one token a row: what width costs, told
+            self._learn_share()
+
+    def _learn_share(self) -> None:
+        solved = self._solve()
+        if solved is not None and solved[1] + solved[2] > 0:
+            _, beta_row, beta_token = solved
+            self.share = min(UNTOLD_SHARE, beta_token / (beta_row + beta_token))
 
     def fit(self, rows: int = 1) -> tuple[float, float] | None:
         """(alpha, beta) in seconds for a step of `rows` rows: T = alpha + beta * tokens (padded:
         alpha includes the rows' own cost); None until enough steps of different sizes were seen."""
+        solved = self._solve()
+        if solved is None:
+            return None
+        alpha, beta_row, beta_token = solved
+        return alpha + beta_row * rows, beta_token
+
+    def _solve(self) -> tuple[float, float, float] | None:
+        """(alpha, beta_row, beta_token): beta_row 0 unless per_row."""
         if self._w < self.min_steps:
             return None
         w = self._w
@@ -76,11 +98,11 @@ class StepCost:
         cov_nt = self._nt / w - mean_n * mean_t
         if not self.per_row:
             beta = max(0.0, cov_nt / var_n)
-            return max(mean_t - beta * mean_n, 1e-6), beta
+            return max(mean_t - beta * mean_n, 1e-6), 0.0, beta
         # T = a + u * z1 + v * z2 with z1 = (1 - s) r + s n and z2 = n - r (the tokens beyond one a row):
         # then beta_token = v + s u and beta_row = u - beta_token. The ridge holds v at 0 (the untold
-        # split) where z2 hardly varies, and gives way to the widths' evidence where it does.
-        s = UNTOLD_SHARE
+        # split, s) where z2 hardly varies, and gives way to the widths' evidence where it does.
+        s = self.share
         var_r, cov_rn = self._rr / w - mean_r * mean_r, self._rn / w - mean_r * mean_n
         cov_rt = self._rt / w - mean_r * mean_t
         var_1 = (1 - s) ** 2 * var_r + 2 * s * (1 - s) * cov_rn + s * s * var_n
@@ -95,7 +117,7 @@ class StepCost:
         beta_token = max(0.0, v + s * u)
         beta_row = max(0.0, u - beta_token)
         alpha = mean_t - beta_row * mean_r - beta_token * mean_n
-        return max(alpha, 1e-6) + beta_row * rows, beta_token
+        return max(alpha, 1e-6), beta_row, beta_token
 
 
 @dataclass
