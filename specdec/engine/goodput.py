@@ -41,6 +41,9 @@ priced by the rows drafting in them (step_cost.DraftStepPrice): priced as one ro
 together looked as cheap as one and drafted at 0.87 of plain decoding (docs/BENCHMARKS.md, rounds 38
 and 39).
 
+A price too high to let any draft through is never corrected by a step that drafted: in padded plans,
+after a plain stretch, the rows that could draft together try it for a step (exploration.py).
+
 What a step cost cannot show, the round trips of a session drafting on a draft service, is priced
 per session over its whole cycle by cycle_wall.py; a session it refuses has its drafts cut to nothing
 and a draft_limit of 0, whatever the step's goodput.
@@ -56,6 +59,7 @@ from typing import Sequence
 
 from specdec.engine.batch import DecodeWork, Result, VerifyWork, Work, run_target_batch
 from specdec.engine.cycle_wall import CycleWallPricing
+from specdec.engine.exploration import JointExploration
 from specdec.engine.step_cost import DraftStepPrice, StepCost
 from specdec.engine.step_plan import RowSpec, packed_plan, padded_width
 from specdec.engine.target import TargetEngine
@@ -99,6 +103,9 @@ class DraftTrimmer:
         # drafting, fitted over its draft passes; 0 until one ran. A step whose rows draft there runs
         # width - 1 such steps on the same thread before its forward: part of what widening it costs.
         self.draft_price = DraftStepPrice()
+        # Padded plans: after a plain stretch, rows that could draft together try it once, so that a
+        # price too high to let any draft through is corrected by a step that drafted (exploration.py).
+        self.exploration = JointExploration()
         self.trimmed_tokens = 0  # drafted tokens left unverified so far (a metric)
         self._sessions: OrderedDict[str, _Acceptance] = OrderedDict()  # least recently seen first
         # Session -> drafted tokens the last step would have verified for its plain row (see the
@@ -176,6 +183,10 @@ class DraftTrimmer:
                                      alone_drafting)
                 best = max(alone, joint_width) if index in together else alone
                 limits[work.session_id] = max(0, min(probe.draft, best - probe.base))
+        if self.exploration.planned(width > bases[0] or any(limits.values()), len(together)):
+            for index in together:
+                limits[works[index].session_id] = max(limits[works[index].session_id], 1)
+        width = self.exploration.width(width, [r.base for r in rows if r.draft > 0])
         self.draft_limits = limits
         return [max(0, min(row.draft, width - row.base)) for row in rows]
 
@@ -251,6 +262,7 @@ class DraftTrimmer:
             self.cost.observe(sum(widths) if self.packed else len(widths) * max(widths), seconds, len(widths))
         if self.cycle_wall is not None and started is not None:
             self.cycle_wall.observe(works, results, started, started + seconds, self.plain_step_s)
+        self.exploration.observed(any(isinstance(w, VerifyWork) and w.draft.num_tokens for w in works))
         for work, result in zip(works, results):
             if isinstance(work, VerifyWork) and isinstance(result, VerifyOutcome) and result.num_drafted:
                 stats = self._stats(work.session_id)
