@@ -117,6 +117,7 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
         self.message_streams = MessageStreams()  # the open VerifyStreams, ended when the service stops
         self._evictions_seen = engine.evictions
         self._trimmed_seen = 0
+        self._explorations_seen = 0
         self._refusals_seen = 0
         self.update_gauges()
 
@@ -380,6 +381,10 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
         if refusals > self._refusals_seen:
             self.metrics.draft_refusals.inc(refusals - self._refusals_seen)
             self._refusals_seen = refusals
+        explorations = self.trimmer.exploration.explorations if self.trimmer else 0
+        if explorations > self._explorations_seen:
+            self.metrics.joint_explorations.inc(explorations - self._explorations_seen)
+            self._explorations_seen = explorations
         self.update_gauges()
 
 

@@ -225,6 +225,10 @@ class TargetMetrics(_CacheMetrics):
             "draft_refusals", "Sessions told to decode plainly for a while because their cycles, a draft "
             "service's round trip included, committed fewer tokens per second than plain decoding would.", **common
         )
+        self.joint_explorations = Counter(
+            "joint_explorations", "Steps in which plain rows that could draft together were told to try one "
+            "drafted token each after a plain stretch, so that the step-cost fits learn what drafting costs.", **common
+        )
 
 
 class DraftMetrics(_CacheMetrics):
