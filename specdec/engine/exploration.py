@@ -19,7 +19,7 @@ cost where drafting does not pay is one step's drafts (and the draft's catch-up)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 FIRST_INTERVAL = 64  # plain plans before the first exploration (a second of steps on a GPU)
 
@@ -29,10 +29,13 @@ class JointExploration:
     first_interval: int = FIRST_INTERVAL
     max_interval: int = 1024
     hold_plans: int = 8  # plans an exploration waits for the rows' drafts before it lapses
-    interval: int = FIRST_INTERVAL
+    interval: int = field(init=False)  # plain plans before the next exploration: first_interval, doubling
     plain_plans: int = 0  # plans in a row that stayed plain while rows could have drafted together
     holding: int = 0  # > 0: an exploration is on, for at most this many more plans without drafts
     explorations: int = 0  # how many were started (a metric)
+
+    def __post_init__(self) -> None:
+        self.interval = self.first_interval
 
     def planned(self, prices_draft: bool, joint_rows: int) -> bool:
         """After a plan: `prices_draft`, whether its own prices drafted (the step, or a plain row's
