@@ -137,3 +137,24 @@ def test_a_bf16_run_scores_every_output_that_parts_from_plain_decoding(tmp_path)
             if isinstance(m, dict) and m.get("lossless_checked"):
                 differing = round((1 - m["lossless_fraction"]) * m["lossless_checked"])
                 assert m["numerical_ties"] + m["unexplained_differences"] == differing, name
+
+
+def test_each_divergence_is_listed_with_its_position_gap_and_whether_it_drafted():
+    from specdec.bench.output import _never_speculated
+
+    reference = [_result("plain", [4, 4, 4, 4], phase="batch1")]
+    plain_only = _result("spec", [4, 4, 9, 9], gap=6.0)
+    plain_only.tie_threshold, plain_only.round = 4.0, 1
+    drafted = _result("spec", [4, 7, 7, 7], gap=0.5)
+    drafted.tie_threshold, drafted.stats = 4.0, {"cycles": 3}
+    m = lossless([plain_only, drafted, _result("spec", [4, 4, 4, 4])], reference)
+    assert m["unexplained_differences"] == 1 and m["numerical_ties"] == 1
+    assert m["divergences"] == [
+        {"prompt": "q1", "round": 1, "position": 2, "logit_gap": 6.0, "tie_threshold": 4.0, "tie": False,
+         "speculated": False},
+        {"prompt": "q1", "round": 0, "position": 1, "logit_gap": 0.5, "tie_threshold": 4.0, "tie": True,
+         "speculated": True}]
+    text = _never_speculated(m["divergences"])
+    assert "1 of them never speculated" in text
+    assert "widest gap beyond the rule 6 against 4 (prompt q1, position 2, never speculated)" in text
+    assert _never_speculated(m["divergences"][1:]) == ""  # a tie of a drafting request: nothing to add

@@ -241,7 +241,8 @@ def tables(report: dict) -> str:
                     lines.append(f"{kind} {part} {level} {name}: {m['lossless_fraction']:.0%} of outputs equal plain "
                                  f"decoding's at batch 1 (differing prompts {m['differing_prompts']}); "
                                  f"{ties} at numerical ties (logit gap within a few units of the dtype's "
-                                 f"precision, at least {DEFAULT_TIE_THRESHOLD}), {unexplained} not")
+                                 f"precision, at least {DEFAULT_TIE_THRESHOLD}), {unexplained} not"
+                                 + _never_speculated(m.get("divergences") or []))
     if report.get("netem"):
         lines.append("")
         lines.append(f"network delay ({report['netem']['network']['mode']}), batch 1:")
@@ -255,6 +256,20 @@ def tables(report: dict) -> str:
             lines.append(f"  {level} ms each way" + (f" (measured +{added:.2f} ms per round trip)" if added is not None
                                                      else "") + f": {row}")
     return "\n".join(lines)
+
+
+def _never_speculated(divergences: list[dict]) -> str:
+    """Of the differing requests, those that never drafted (parted through shared batches only), and
+    the widest re-scored gap beyond the tie threshold, so that a WARNING says what to look at."""
+    plain = [d for d in divergences if not d.get("speculated")]
+    beyond = [d for d in divergences if not d.get("tie") and d.get("logit_gap") is not None]
+    text = f"; {len(plain)} of them never speculated" if plain else ""
+    if beyond:
+        widest = max(beyond, key=lambda d: d["logit_gap"] - (d["tie_threshold"] or 0.0))
+        text += (f"; widest gap beyond the rule {widest['logit_gap']:g} against {widest['tie_threshold']:g} "
+                 f"(prompt {widest['prompt']}, position {widest['position']}, "
+                 f"{'speculated' if widest['speculated'] else 'never speculated'})")
+    return text
 
 
 def did_not_speculate(overall: dict) -> list[str]:

@@ -179,12 +179,22 @@ def lossless(results: list[RequestResult], reference: list[RequestResult]) -> di
     for r in reference:
         ref.setdefault(r.question_id, r.token_ids)
     checked = [(r, compare_outputs([], r.token_ids, ref[r.question_id])) for r in results if r.question_id in ref]
-    different = [r for r, rep in checked if not rep.equal]
-    ties = [r for r in different
+    different = [(r, rep) for r, rep in checked if not rep.equal]
+    ties = [r for r, _ in different
             if r.logit_gap is not None and is_tie(r.logit_gap, r.tie_threshold or DEFAULT_TIE_THRESHOLD)]
     return {"lossless_fraction": (len(checked) - len(different)) / len(checked) if checked else None,
-            "lossless_checked": len(checked), "differing_prompts": sorted({r.question_id for r in different}),
-            "numerical_ties": len(ties), "unexplained_differences": len(different) - len(ties)}
+            "lossless_checked": len(checked), "differing_prompts": sorted({r.question_id for r, _ in different}),
+            "numerical_ties": len(ties), "unexplained_differences": len(different) - len(ties),
+            "divergences": [divergence(r, rep.divergence, r in ties) for r, rep in different]}
+
+
+def divergence(result: RequestResult, position: int | None, tie: bool) -> dict:
+    """One output that parts from the reference: where, at what re-scored gap, and whether its request
+    drafted at all. A request that never speculated can part only through the batches it shared: in
+    bf16 its plain rows ran in steps shaped by other sessions' verifies (docs/BENCHMARKS.md, round 41)."""
+    return {"prompt": result.question_id, "round": result.round, "position": position,
+            "logit_gap": result.logit_gap, "tie_threshold": result.tie_threshold, "tie": tie,
+            "speculated": bool(result.stats.get("cycles"))}
 
 
 def phase_table(results: list[RequestResult], methods: list[str], times: list[StepTimes],
