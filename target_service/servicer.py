@@ -228,6 +228,8 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
                     raise
                 if stream.ended:  # ended after this step ran: its caller's Truncate undoes it
                     break
+                if step.plain_reason is not None:
+                    self.metrics.stream_plain_steps.labels(step.plain_reason).inc()
                 position += len(step.tokens)
                 generated += len(step.tokens)
                 stream.next_step()  # the next step runs while this one's tokens are written

@@ -375,6 +375,15 @@ def test_target_batches_are_read_from_the_targets_metrics():
     assert by_kind["decode"]["steps"] == 3 and by_kind["decode"]["step_ms"] == pytest.approx(10.0)
     assert by_kind["mixed"]["steps"] == 1 and by_kind["mixed"]["step_ms"] == pytest.approx(30.0)
     assert summary == {"steps": 4, "rows_per_step": 13 / 4, "tokens_per_step": 17 / 4}
+    # Streams drafting on the target: their steps without a verified draft, by why, and the explorations.
+    before = target_batches.snapshot(generate_latest(registry).decode())
+    metrics.stream_plain_steps.labels("trimmer").inc(5)
+    metrics.stream_plain_steps.labels("length_rule").inc(2)
+    metrics.joint_explorations.inc()
+    more: dict = {}
+    target_batches.add_difference(more, before, target_batches.snapshot(generate_latest(registry).decode()))
+    summary = target_batches.summary(more)
+    assert summary["stream_plain_steps"] == {"trimmer": 5, "length_rule": 2} and summary["joint_explorations"] == 1
     # A report written before the step seconds were read still summarises (no milliseconds).
     assert target_batches.summary({"steps": 2.0, "rows": 4.0, "tokens": 4.0}) == \
         {"steps": 2, "rows_per_step": 2.0, "tokens_per_step": 2.0}

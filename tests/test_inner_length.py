@@ -131,7 +131,11 @@ def test_a_never_right_draft_is_switched_off_and_the_output_is_plain_decoding(ti
         drafted = sum(s.outcome.num_drafted for s in steps if s.outcome)
         accepted = sum(s.outcome.num_accepted for s in steps if s.outcome)
         assert drafted - accepted < 0.5 * sum(s.outcome.num_drafted - s.outcome.num_accepted for s in fixed_steps if s.outcome)
-        assert sum(1 for s in steps if not s.outcome or not s.outcome.num_drafted) > len(steps) // 2
+        plain_steps = [s for s in steps[1:] if not s.outcome or not s.outcome.num_drafted]
+        assert len(plain_steps) > len(steps) // 2
+        # Each says why: here mostly the stream's own policy, which switched the draft off.
+        assert all(s.plain_reason for s in plain_steps)
+        assert sum(s.plain_reason in ("length_rule", "both") for s in plain_steps) > len(plain_steps) // 2
 
 
 def test_a_fixed_length_is_cut_by_the_trimming_then_restored():
@@ -145,9 +149,21 @@ def test_a_fixed_length_is_cut_by_the_trimming_then_restored():
     assert length.next(10) == (2, 0.0)
     length.kept(4, 4, 4, VerifyOutcome(7, 4, 4, 0))  # all of it kept
     limit["now"] = 0
-    assert length.next(10) == (0, 0.0)
+    assert length.next(10) == (0, 0.0) and length.plain_reason == "trimmer"
     limit["now"] = None
-    assert length.next(3) == (3, 0.0)
+    assert length.next(3) == (3, 0.0) and length.plain_reason is None
+    assert length.next(0) == (0, 0.0) and length.plain_reason == "budget"
+
+
+def test_why_a_step_is_plain():
+    """The trimmer's limit, the stream's own rule, both, or no room (the metric's why label)."""
+    from specdec.engine.inner_length import why_plain
+
+    assert why_plain(room=10, allowed=3, wanted=2) is None
+    assert why_plain(room=10, allowed=0, wanted=2) == "trimmer"
+    assert why_plain(room=10, allowed=3, wanted=0) == "length_rule"
+    assert why_plain(room=10, allowed=0, wanted=0) == "both"
+    assert why_plain(room=0, allowed=0, wanted=4) == "budget"
 
 
 def test_a_confidence_stop_is_not_taken_for_trimming():

@@ -116,9 +116,12 @@ def test_a_drafter_drafts_no_more_than_the_trimming_would_verify():
     assert work.draft.num_tokens == 2
     drafter.verified(work, VerifyOutcome(7, 2, 2, 0))  # not trimmed: the limit applies again
     limit["now"] = 0  # after a plain step: a draft would be cut entirely
-    assert drafter.work("s", 7, 10) is None  # a plain step
+    assert drafter.work("s", 7, 10) is None and drafter.plain_reason == "trimmer"  # a plain step
     limit["now"] = 3
     assert drafter.work("s", 7, 2).draft.num_tokens == 2  # and never past the room
+    assert drafter.plain_reason is None
+    unrepeated = LookupDrafter(lambda: [1, 2, 3], 4)
+    assert unrepeated.work("s", 3, 10) is None and unrepeated.plain_reason == "no_draft"  # nothing repeats
 
 
 @pytest.mark.parametrize("params", [GREEDY, GUMBEL], ids=["greedy", "gumbel"])

@@ -20,6 +20,7 @@ from service_procs import launch, stop_all, tiny_model_dir, wait_all
 from specdec import errors
 from specdec.engine.api import InnerDraft
 from specdec.engine.cycle_cost import measure_cycle
+from specdec.engine.inner_length import PLAIN_REASONS
 from specdec.engine.target import TargetEngine
 from specdec.models.loader import load_model
 from specdec.rpc import ACTUAL_POSITION_KEY, target_pb2, target_pb2_grpc
@@ -222,6 +223,30 @@ async def test_a_lookup_stream_drafts_inside_the_target_and_is_plain_decoding(se
             outcomes.append(cost.inner_draft)
         assert tokens == reference(51)[40:] and outcomes[0] is None  # the first step decodes: no draft
         assert any(o is not None and o.num_drafted for o in outcomes)
+
+
+async def test_the_target_counts_why_its_streams_steps_verified_no_draft(target_dir, reference):
+    """specdec_target_stream_plain_steps: lookup streams batched together under a step cost where no
+    drafted token pays (compute-bound) decode plainly, each such step counted under the trimmer's
+    name; their tokens are plain decoding's."""
+    from specdec.server.service import BatchSettings
+    from target_service.servicer import TargetServicer
+
+    expected = reference(24)
+    async with hosted(target_dir, TargetServicer, num_slots=4, max_context=CONTEXT, batching=BatchSettings(batch_wait_s=0.005),
+                      trim_drafts=True) as (target, servicer):
+        servicer.trimmer.cost.fit = lambda rows=1: (0.01, 0.05)  # as if measured: every drafted token costs a row
+
+        async def one() -> list[int]:
+            session_id = uuid.uuid4().hex
+            position, _ = await target.start_session(session_id, PROMPT, GREEDY)
+            return [t async for step in target.decode_stream(session_id, position, 23, inner_draft=InnerDraft("ngram", 4))
+                    for t in step]
+
+        got = await asyncio.gather(one(), one(), one())
+        counted = {why: servicer.metrics.stream_plain_steps.labels(why)._value.get() for why in PLAIN_REASONS}
+    assert got == [expected[1:]] * 3
+    assert counted["trimmer"] > 0 and counted["failed"] == 0
 
 
 GUMBEL = SamplingParams(temperature=1.0, top_p=0.9, seed=5, mode=SamplingMode.GUMBEL)

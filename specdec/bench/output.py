@@ -177,6 +177,19 @@ def _batches(m: dict) -> str:
     return f"{batches['steps']}, {batches['rows_per_step']:.2f}{step_ms}"
 
 
+def _plain_steps(levels: dict) -> list[str]:
+    """For methods whose streams draft on the target: their steps that verified nothing, by why."""
+    lines = []
+    for level, table in sorted(levels.items(), key=lambda kv: int(kv[0])):
+        for name, m in table.items():
+            batches = m.get("target_batches") or {}
+            if batches.get("stream_plain_steps"):
+                why = ", ".join(f"{reason} {count}" for reason, count in sorted(batches["stream_plain_steps"].items()))
+                lines.append(f"  {level} sessions, {name}: steps without a verified draft: {why}; joint explorations "
+                             f"{batches.get('joint_explorations', 0)}")
+    return lines
+
+
 def tables(report: dict) -> str:
     lines = []
     overall = report["batch1"]["overall"]
@@ -215,6 +228,7 @@ def tables(report: dict) -> str:
                              f"{_f(m.get('throughput_vs_plain')):>8} {_p50_p99(m, 'tpot'):>16} "
                              f"{_f(m['ttft_p50_s'], '{:.0f}', 1e3):>7}ms"
                              f" {_overhead(m):>14} {_batches(m):>28}{_rounds(m)}{_full(m)}")
+        lines += _plain_steps(report["concurrency"])
     if report.get("arrivals"):
         lines.append("")
         lines.append(f"{'req/s':<7} {'method':<22} {'done/s':>6} {'tok/s':>7} {'e2e p50/p99 s':>14} {'vs plain':>8} "

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
+PLAIN_STEPS = "specdec_target_stream_plain_steps"  # by why (specdec.engine.inner_length.PLAIN_REASONS)
+EXPLORATIONS = "specdec_target_joint_explorations"
 ROWS = "specdec_target_batch_size"
 TOKENS = "specdec_target_tokens"
 SECONDS = "specdec_target_step_seconds"
@@ -38,6 +40,11 @@ def snapshot(metrics_text: str) -> dict[str, float]:
                     totals[f"{kind}.steps"] += sample.value
             elif family.name == ROWS and sample.name == f"{ROWS}_sum":
                 totals["rows"] += sample.value
+            elif family.name == PLAIN_STEPS and sample.name == f"{PLAIN_STEPS}_total":
+                why = f"plain_steps.{sample.labels.get('why')}"
+                totals[why] = totals.get(why, 0.0) + sample.value
+            elif family.name == EXPLORATIONS and sample.name == f"{EXPLORATIONS}_total":
+                totals["joint_explorations"] = totals.get("joint_explorations", 0.0) + sample.value
             elif family.name == TOKENS and sample.name == f"{TOKENS}_total":
                 totals["tokens"] += sample.value
             elif family.name == SECONDS and sample.name == f"{SECONDS}_sum":
@@ -66,4 +73,12 @@ def summary(counts: dict) -> dict:
             kind: {"steps": int(counts[f"{kind}.steps"]),
                    "step_ms": 1e3 * counts[f"{kind}.seconds"] / counts[f"{kind}.steps"]}
             for kind in KINDS if counts.get(f"{kind}.steps")}
+    # Streams drafting on the target: their steps that verified nothing, by why, and the trimmer's
+    # joint explorations (round 41: what held a hosted batch plain was not recorded).
+    plain = {key.split(".", 1)[1]: int(value) for key, value in counts.items()
+             if key.startswith("plain_steps.") and value}
+    if plain:
+        summary["stream_plain_steps"] = plain
+    if counts.get("joint_explorations"):
+        summary["joint_explorations"] = int(counts["joint_explorations"])
     return summary

@@ -59,6 +59,11 @@ class Drafter(Protocol):
     def stepped(self, step: StreamStep) -> None:
         """The step as the stream yields it (a plain step: no outcome): what the length rule learns from."""
 
+    @property
+    def plain_reason(self) -> str | None:
+        """Why the last work() gave no work (inner_length.PLAIN_REASONS); None: it gave one, or the
+        session had ended."""
+
 
 class _Drafting:
     """A drafter's length rule (inner_length.DraftLength) and what it learns from each step."""
@@ -67,6 +72,11 @@ class _Drafting:
         # The fixed rule unless the caller gives another (the adaptive one: generation.inner_adaptive).
         self.length = length if length is not None else DraftLength(max_tokens, limit)
         self._verified: tuple[DraftBlock, bool] | None = None  # (block, steady) of the step just run
+        self._plain_reason: str | None = None
+
+    @property
+    def plain_reason(self) -> str | None:
+        return self._plain_reason
 
     def _remember(self, asked: int, planned: int, block: DraftBlock, outcome: VerifyOutcome, steady: bool) -> None:
         self.length.kept(asked, planned, block.num_tokens, outcome)
@@ -92,14 +102,19 @@ class LookupDrafter(_Drafting):
 
     def work(self, session_id: str, position: int, room: int) -> VerifyWork | None:
         tokens = self.committed()
+        self._plain_reason = None
         if tokens is None:  # ended meanwhile (the step says so)
             return None
         allowed, _ = self.length.next(room)
         if not allowed:  # nothing would pay
+            self._plain_reason = self.length.plain_reason
             return None
         self.index.sync(tokens)
         draft = self.index.draft(allowed, self.stops)
-        return VerifyWork(session_id, position, draft) if draft.num_tokens else None
+        if not draft.num_tokens:
+            self._plain_reason = "no_draft"
+            return None
+        return VerifyWork(session_id, position, draft)
 
     def verified(self, work: VerifyWork, outcome: VerifyOutcome) -> tuple[VerifyOutcome, DraftBlock, None]:
         drafted = work.draft.num_tokens  # what lookup found: its length is not a choice to learn from
@@ -150,10 +165,12 @@ class ModelDrafter(_Drafting):
 
     def work(self, session_id: str, position: int, room: int) -> InnerDraftWork | None:
         tokens = self.committed()
+        self._plain_reason = "failed" if self.failed else None
         if self.failed or tokens is None:
             return None
         allowed, stop_below = self.length.next(room, confidences=True)
         if not allowed:
+            self._plain_reason = self.length.plain_reason
             return None
         if self.draft_tokens is None:  # first step: the draft session is aligned inside the step
             return InnerDraftWork(session_id, position, allowed, self.params, open_with=tuple(tokens),
@@ -165,7 +182,7 @@ class ModelDrafter(_Drafting):
     def verified(self, work: InnerDraftWork, result: InnerDraftResult) -> tuple[VerifyOutcome, DraftBlock, StepTiming]:
         if result.failed is not None:  # a failing draft decodes plainly, never fails the stream
             log.warning("inner draft failed for session %s, decoding plainly: %r", work.session_id, result.failed)
-            self.failed = True
+            self.failed, self._plain_reason = True, "failed"
         else:
             if result.draft_tokens is not None:  # it drafted (else its session waits as it was)
                 self.draft_tokens, self.known = result.draft_tokens, work.position
@@ -173,6 +190,8 @@ class ModelDrafter(_Drafting):
             # first step, a step after a plain one) paid a prefill, not a steady draft's cost.
             steady = _steady(work)
             self._remember(work.num_draft_tokens, result.planned, result.block, result.outcome, steady)
+            if result.planned and not result.block.num_tokens:  # let through, stopped by its confidence
+                self._plain_reason = "confidence_stop"
         return result.outcome, result.block, StepTiming(model_ns=result.draft_ns)
 
 

@@ -18,10 +18,32 @@ from typing import Callable
 from specdec.types import DraftBlock, VerifyOutcome
 
 
+# Why a stream's step decoded plainly (the target's specdec_target_stream_plain_steps metric): the
+# goodput trimming's limit was 0 ("trimmer"), the length rule chose 0 ("length_rule": the adaptive
+# policy switched off or re-measuring a plain step), both, or the budget left no room ("budget").
+# The drafters add "no_draft" (prompt lookup found nothing), "confidence_stop" (the draft model
+# stopped before its first token) and "failed" (the draft failed).
+PLAIN_REASONS = ("trimmer", "length_rule", "both", "budget", "no_draft", "confidence_stop", "failed")
+
+
+def why_plain(room: int, allowed: int, wanted: int) -> str | None:
+    """The reason next() decodes plainly, None when it drafts. Under load on one GPU a hosted batch
+    sat plain for whole waves, and whether the trimming or the streams' own rules held it there was
+    not recorded (docs/BENCHMARKS.md, round 41)."""
+    if min(allowed, wanted) > 0:
+        return None
+    if room <= 0:
+        return "budget"
+    if wanted <= 0:
+        return "both" if allowed <= 0 else "length_rule"
+    return "trimmer"
+
+
 class DraftLength:
     def __init__(self, max_tokens: int, limit: Callable[[], int | None] = lambda: None):
         self.max_tokens, self.limit = max_tokens, limit
         self._kept: int | None = None  # the last draft's trimmed length, when trimmed
+        self.plain_reason: str | None = None  # why next() last said 0 (PLAIN_REASONS), None: it drafts
 
     def next(self, room: int, confidences: bool = False) -> tuple[int, float]:
         """(tokens the next draft may have, 0: a plain step; the confidence product below which a
@@ -30,6 +52,7 @@ class DraftLength:
         trimmed = kept if kept is not None else self.limit()
         allowed = min(room, self.max_tokens if trimmed is None else trimmed)
         wanted, stop_below = self.wanted(confidences)
+        self.plain_reason = why_plain(room, allowed, wanted)
         return min(wanted, allowed), stop_below
 
     def wanted(self, confidences: bool) -> tuple[int, float]:

@@ -49,6 +49,8 @@ class StreamStep:
     cost: StepTiming
     outcome: VerifyOutcome | None = None
     draft_cost: StepTiming | None = None
+    # A stream with a drafter: why this step verified no drafted token (inner_length.PLAIN_REASONS).
+    plain_reason: str | None = None
 
 
 async def decode_step_stream(
@@ -93,6 +95,7 @@ class DecodeStepper:
         self.generated = 0
         self.last_token: int | None = None
         self._work = None  # the pending step's work, None when no step is pending
+        self._plain_reason: str | None = None  # why the pending step has no draft (a drafter's reason)
         self._pending: asyncio.Future | None = None
 
     @property
@@ -116,16 +119,18 @@ class DecodeStepper:
                 if self.drafter is not None and left > 1 else None
             if work is None:
                 work = DecodeWork(self.session_id, self.position, num_tokens=1, room=left)
+                if self.drafter is not None:
+                    self._plain_reason = self.drafter.plain_reason if left > 1 else "budget"
         self._work, self._pending = work, self.batcher.enqueue(work)
         return True
 
     async def result(self) -> StreamStep:
         """The pending step, once it ran (submit() first)."""
-        work, pending = self._work, self._pending
+        work, pending, plain_reason = self._work, self._pending, self._plain_reason
         try:
             result, cost = await pending
         finally:
-            self._work = self._pending = None
+            self._work = self._pending = self._plain_reason = None
         first = self.last_token is None
         outcome = draft_cost = None
         if isinstance(work, DecodeWork):
@@ -135,7 +140,9 @@ class DecodeStepper:
             if draft_cost is not None:  # drafting ran inside the step: its time is the draft's, not the target's
                 cost = StepTiming(max(0, cost.model_ns - draft_cost.model_ns), cost.queued_ns)
             tokens = draft.token_ids[: outcome.num_accepted].tolist() + [outcome.next_token]
-        step = StreamStep(tokens, cost, outcome, draft_cost)
+            if not outcome.num_drafted:  # the step's plan (or the draft's failure) left nothing to verify
+                plain_reason = self.drafter.plain_reason or "trimmer"
+        step = StreamStep(tokens, cost, outcome, draft_cost, plain_reason)
         if self.drafter is not None and not first:
             self.drafter.stepped(step)  # what its length rule learns from (inner_length)
         self.generated += len(tokens)

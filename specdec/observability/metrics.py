@@ -225,6 +225,12 @@ class TargetMetrics(_CacheMetrics):
             "draft_refusals", "Sessions told to decode plainly for a while because their cycles, a draft "
             "service's round trip included, committed fewer tokens per second than plain decoding would.", **common
         )
+        self.stream_plain_steps = Counter(
+            "stream_plain_steps", "Steps of DecodeStreams that draft on this target (prompt lookup or the hosted "
+            "draft) which verified no drafted token, by why: the goodput trimming's limit (trimmer), the "
+            "stream's own draft-length rule (length_rule), both, no room left in the budget, nothing found "
+            "to draft (no_draft), the draft's confidence stop, or a failed draft.", ("why",), **common
+        )
         self.joint_explorations = Counter(
             "joint_explorations", "Steps in which plain rows that could draft together were told to try one "
             "drafted token each after a plain stretch, so that the step-cost fits learn what drafting costs.", **common
