@@ -206,3 +206,23 @@ def test_cuda_mixed_batch_equals_transformers(root):
     want = reference_logits(path, tokens)
     assert relative_error(prefill.cpu(), want) <= TOL
     assert relative_error(verify.cpu(), want[20:25]) <= TOL
+
+
+def test_matmul_reductions_switch_sets_torchs_flags_and_refuses_unknown_values(root, monkeypatch):
+    """SPECDEC_MATMUL_REDUCTIONS=full (an A/B switch for GPU runs): half-precision matrix products
+    reduce in float32; the default leaves PyTorch's flags alone; anything else is refused by name."""
+    matmul = torch.backends.cuda.matmul
+    before = (matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction)
+    path = tiny_dir(root, "llama")
+    try:
+        monkeypatch.setenv("SPECDEC_MATMUL_REDUCTIONS", "default")
+        load_model(path, num_slots=1, max_context=32)
+        assert (matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction) == before
+        monkeypatch.setenv("SPECDEC_MATMUL_REDUCTIONS", "full")
+        load_model(path, num_slots=1, max_context=32)
+        assert not matmul.allow_bf16_reduced_precision_reduction and not matmul.allow_fp16_reduced_precision_reduction
+        monkeypatch.setenv("SPECDEC_MATMUL_REDUCTIONS", "fp32")
+        with pytest.raises(InvalidArgument, match=r"SPECDEC_MATMUL_REDUCTIONS must be one of \('default', 'full'\)"):
+            load_model(path, num_slots=1, max_context=32)
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction = before

@@ -6,6 +6,7 @@ module only takes directories, so it never touches the network.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from specdec.errors import InvalidArgument
@@ -14,6 +15,25 @@ from specdec.models.llama_config import LlamaConfig, UnsupportedModel
 from specdec.models.reduced_head import recommended_head_vocab, reduced_head
 
 BACKENDS = ("native", "hf", "auto")
+MATMUL_REDUCTIONS = ("default", "full")  # SPECDEC_MATMUL_REDUCTIONS
+
+
+def apply_matmul_reductions() -> str:
+    """SPECDEC_MATMUL_REDUCTIONS=full: bf16 and fp16 matrix products on CUDA sum their split-K partials
+    in float32, not in their own precision (PyTorch's default allows the reduced one). An A/B switch
+    for a GPU measurement: on one H200 plain rows that shared 16-row padded steps with other
+    sessions' verifies parted from batch-1 decoding in bf16 (docs/BENCHMARKS.md, round 41), and
+    reductions in the dtype are one way a shape's rounding could differ; not yet measured. Returns
+    the setting; a value other than MATMUL_REDUCTIONS is refused."""
+    setting = os.environ.get("SPECDEC_MATMUL_REDUCTIONS", "default")
+    if setting not in MATMUL_REDUCTIONS:
+        raise InvalidArgument(f"SPECDEC_MATMUL_REDUCTIONS must be one of {MATMUL_REDUCTIONS}, got {setting!r}")
+    if setting == "full":
+        import torch
+
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+    return setting
 
 
 def native_support(path: str | Path) -> str | None:
@@ -59,6 +79,7 @@ def load_model(
     in the last bits. Ignored elsewhere.
     """
     path = Path(path)
+    apply_matmul_reductions()
     if backend not in BACKENDS:
         raise InvalidArgument(f"backend {backend!r} is unknown; choose one of {BACKENDS}")
     if not (path / "config.json").is_file():
