@@ -190,8 +190,8 @@ class ModelDrafter(_Drafting):
             # first step, a step after a plain one) paid a prefill, not a steady draft's cost.
             steady = _steady(work)
             self._remember(work.num_draft_tokens, result.planned, result.block, result.outcome, steady)
-            if result.planned and not result.block.num_tokens:  # let through, stopped by its confidence
-                self._plain_reason = "confidence_stop"
+            if result.planned and not result.block.num_tokens:  # let through, stopped before a token
+                self._plain_reason = "draft_stopped"
         return result.outcome, result.block, StepTiming(model_ns=result.draft_ns)
 
 

@@ -21,9 +21,9 @@ from specdec.types import DraftBlock, VerifyOutcome
 # Why a stream's step decoded plainly (the target's specdec_target_stream_plain_steps metric): the
 # goodput trimming's limit was 0 ("trimmer"), the length rule chose 0 ("length_rule": the adaptive
 # policy switched off or re-measuring a plain step), both, or the budget left no room ("budget").
-# The drafters add "no_draft" (prompt lookup found nothing), "confidence_stop" (the draft model
-# stopped before its first token) and "failed" (the draft failed).
-PLAIN_REASONS = ("trimmer", "length_rule", "both", "budget", "no_draft", "confidence_stop", "failed")
+# The drafters add "no_draft" (prompt lookup found nothing), "draft_stopped" (the draft model stopped
+# before its first token: its confidence stop, or a stop token) and "failed" (the draft failed).
+PLAIN_REASONS = ("trimmer", "length_rule", "both", "budget", "no_draft", "draft_stopped", "failed")
 
 
 def why_plain(room: int, allowed: int, wanted: int) -> str | None:

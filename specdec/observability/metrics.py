@@ -229,7 +229,7 @@ class TargetMetrics(_CacheMetrics):
             "stream_plain_steps", "Steps of DecodeStreams that draft on this target (prompt lookup or the hosted "
             "draft) which verified no drafted token, by why: the goodput trimming's limit (trimmer), the "
             "stream's own draft-length rule (length_rule), both, no room left in the budget, nothing found "
-            "to draft (no_draft), the draft's confidence stop, or a failed draft.", ("why",), **common
+            "to draft (no_draft), a draft that stopped before its first token, or a failed draft.", ("why",), **common
         )
         self.joint_explorations = Counter(
             "joint_explorations", "Steps in which plain rows that could draft together were told to try one "
