@@ -179,13 +179,13 @@ def lossless(results: list[RequestResult], reference: list[RequestResult]) -> di
     for r in reference:
         ref.setdefault(r.question_id, r.token_ids)
     checked = [(r, compare_outputs([], r.token_ids, ref[r.question_id])) for r in results if r.question_id in ref]
-    different = [(r, rep) for r, rep in checked if not rep.equal]
-    ties = [r for r, _ in different
-            if r.logit_gap is not None and is_tie(r.logit_gap, r.tie_threshold or DEFAULT_TIE_THRESHOLD)]
+    different = [divergence(r, rep.divergence, r.logit_gap is not None and
+                            is_tie(r.logit_gap, r.tie_threshold or DEFAULT_TIE_THRESHOLD))
+                 for r, rep in checked if not rep.equal]
+    ties = sum(1 for d in different if d["tie"])
     return {"lossless_fraction": (len(checked) - len(different)) / len(checked) if checked else None,
-            "lossless_checked": len(checked), "differing_prompts": sorted({r.question_id for r, _ in different}),
-            "numerical_ties": len(ties), "unexplained_differences": len(different) - len(ties),
-            "divergences": [divergence(r, rep.divergence, r in ties) for r, rep in different]}
+            "lossless_checked": len(checked), "differing_prompts": sorted({d["prompt"] for d in different}),
+            "numerical_ties": ties, "unexplained_differences": len(different) - ties, "divergences": different}
 
 
 def divergence(result: RequestResult, position: int | None, tie: bool) -> dict:
