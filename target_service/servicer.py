@@ -116,9 +116,7 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
         self._streams: dict[str, _Stream] = {}  # session -> its DecodeStream in progress
         self.message_streams = MessageStreams()  # the open VerifyStreams, ended when the service stops
         self._evictions_seen = engine.evictions
-        self._trimmed_seen = 0
-        self._explorations_seen = 0
-        self._refusals_seen = 0
+        self._counted: dict = {}  # metric counter -> the trimmer's running total it last counted up to
         self.update_gauges()
 
     # ---- RPCs ------------------------------------------------------------------------------
@@ -376,18 +374,19 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
         self.metrics.batch_size.labels(step).observe(len(works))
         self.metrics.tokens.labels(step).inc(verify_tokens + decode_tokens)
         self.metrics.batch_rows.set(len(works))
-        if self.trimmer is not None and self.trimmer.trimmed_tokens > self._trimmed_seen:
-            self.metrics.trimmed_draft_tokens.inc(self.trimmer.trimmed_tokens - self._trimmed_seen)
-            self._trimmed_seen = self.trimmer.trimmed_tokens
-        refusals = self.trimmer.cycle_wall.refusals if self.trimmer and self.trimmer.cycle_wall else 0
-        if refusals > self._refusals_seen:
-            self.metrics.draft_refusals.inc(refusals - self._refusals_seen)
-            self._refusals_seen = refusals
-        explorations = self.trimmer.exploration.explorations if self.trimmer else 0
-        if explorations > self._explorations_seen:
-            self.metrics.joint_explorations.inc(explorations - self._explorations_seen)
-            self._explorations_seen = explorations
+        if self.trimmer is not None:
+            self._count_up(self.metrics.trimmed_draft_tokens, self.trimmer.trimmed_tokens)
+            self._count_up(self.metrics.draft_refusals,
+                           self.trimmer.cycle_wall.refusals if self.trimmer.cycle_wall else 0)
+            self._count_up(self.metrics.joint_explorations, self.trimmer.exploration.explorations)
         self.update_gauges()
+
+    def _count_up(self, counter, total: int) -> None:
+        """Add to `counter` what a running total of the trimmer's gained since the last step."""
+        seen = self._counted.get(counter, 0)
+        if total > seen:
+            counter.inc(total - seen)
+            self._counted[counter] = total
 
 
 def _end_all(engine: DraftEngine, session_ids: list[str]) -> None:

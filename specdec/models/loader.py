@@ -18,13 +18,13 @@ BACKENDS = ("native", "hf", "auto")
 MATMUL_REDUCTIONS = ("default", "full")  # SPECDEC_MATMUL_REDUCTIONS
 
 
-def apply_matmul_reductions() -> str:
+def apply_matmul_reductions() -> None:
     """SPECDEC_MATMUL_REDUCTIONS=full: bf16 and fp16 matrix products on CUDA sum their split-K partials
     in float32, not in their own precision (PyTorch's default allows the reduced one). An A/B switch
     for a GPU measurement: on one H200 plain rows that shared 16-row padded steps with other
     sessions' verifies parted from batch-1 decoding in bf16 (docs/BENCHMARKS.md, round 41), and
-    reductions in the dtype are one way a shape's rounding could differ; not yet measured. Returns
-    the setting; a value other than MATMUL_REDUCTIONS is refused."""
+    reductions in the dtype are one way a shape's rounding could differ; not yet measured. A value
+    other than MATMUL_REDUCTIONS is refused."""
     setting = os.environ.get("SPECDEC_MATMUL_REDUCTIONS", "default")
     if setting not in MATMUL_REDUCTIONS:
         raise InvalidArgument(f"SPECDEC_MATMUL_REDUCTIONS must be one of {MATMUL_REDUCTIONS}, got {setting!r}")
@@ -33,7 +33,6 @@ def apply_matmul_reductions() -> str:
 
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
         torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
-    return setting
 
 
 def native_support(path: str | Path) -> str | None:
