@@ -193,12 +193,14 @@ def model_info_to_proto(
         num_slots=num_slots,
         free_slots=free_slots,
         server_version=specdec.__version__,
+        batch_invariant=info.batch_invariant,
     )
 
 
 def model_info_from_proto(msg: common_pb2.ModelInfo) -> ModelInfo:
     return ModelInfo(name=msg.name, architecture=msg.architecture, vocab_size=msg.vocab_size,
-                     max_context=msg.context_length, dtype=msg.dtype, device=msg.device, backend=msg.backend)
+                     max_context=msg.context_length, dtype=msg.dtype, device=msg.device, backend=msg.backend,
+                     batch_invariant=msg.batch_invariant)
 
 
 def actual_position(error: object) -> int | None:

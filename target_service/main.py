@@ -40,6 +40,7 @@ class TargetServiceSettings:
     dtype: str = "float32"
     cuda_graphs: bool | None = None  # None: on for a CUDA device
     compile_layers: bool = False  # torch.compile the CUDA-graph layers (specdec.models.compiled_layers)
+    batch_invariant: bool = False  # every row computes what it computes alone (specdec.models.batch_invariant)
     graph_warmup_context: int = service.GRAPH_WARMUP_CONTEXT  # CUDA-graph shapes captured at startup
     num_slots: int = 8
     max_context: int | None = None  # None: the model's own limit (capped by the loader)
@@ -60,7 +61,8 @@ class TargetServiceSettings:
     inner_draft_copy_below: float = 0.5  # as the draft service's --copy-below
 
     def __post_init__(self) -> None:
-        service.check_model_settings(self.num_slots, self.max_context, self.session_ttl_s)
+        service.check_model_settings(self.num_slots, self.max_context, self.session_ttl_s,
+                                     self.batch_invariant, self.compile_layers, self.backend)
         if self.max_draft_tokens < 1:
             raise ConfigError(f"--max-draft-tokens must be >= 1, got {self.max_draft_tokens}")
         if not 0.0 <= self.trim_margin <= 10.0:  # also refuses NaN
@@ -157,7 +159,7 @@ def run(settings: TargetServiceSettings, adapt_inner_draft=None) -> int:
     model = load_model(model_dir, backend=settings.backend, device=settings.device, dtype=settings.dtype,
                        num_slots=settings.num_slots, max_context=settings.max_context, name=settings.model,
                        cuda_graphs=settings.cuda_graphs, compile_layers=settings.compile_layers,
-                       graph_warmup_context=settings.graph_warmup_context)
+                       graph_warmup_context=settings.graph_warmup_context, batch_invariant=settings.batch_invariant)
     if settings.test_fault:
         log.warning("TEST ONLY: verification is corrupted on purpose (--test-fault %s)", settings.test_fault)
     if settings.test_delay_ms > 0:

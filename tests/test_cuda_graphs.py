@@ -167,19 +167,21 @@ def test_eager_forwards_on_cuda_leave_out_cudnn_attention(root):
     graphs (fixed shapes) and CPU forwards are left alone. Checked on the flags, which needs no GPU."""
     model, _ = pair(tiny_dir(root, "llama3"))
     before = torch.backends.cuda.cudnn_sdp_enabled()
-    with model._eager_attention():  # on a CPU: nothing changes
+    with model.attention_backends(eager=True):  # on a CPU: nothing changes
         assert torch.backends.cuda.cudnn_sdp_enabled() == before
     model.device = torch.device("cuda")
-    with model._eager_attention():
+    with model.attention_backends(eager=True):
         assert not torch.backends.cuda.cudnn_sdp_enabled()
         assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
     assert torch.backends.cuda.cudnn_sdp_enabled() == before
 
 
-def speculative_equals_plain(target_path, draft_path, device, dtype, prompts, k=4, new_tokens=40):
+def speculative_equals_plain(target_path, draft_path, device, dtype, prompts, k=4, new_tokens=40,
+                             batch_invariant=False):
     """Greedy speculative output (graph-path target and draft) against plain decoding of the same
     target; returns the outputs and the target model."""
-    target = LlamaModel(target_path, device=device, dtype=dtype, num_slots=4, max_context=256, cuda_graphs=True)
+    target = LlamaModel(target_path, device=device, dtype=dtype, num_slots=4, max_context=256, cuda_graphs=True,
+                        batch_invariant=batch_invariant)
     draft = LlamaModel(draft_path, device=device, dtype=dtype, num_slots=4, max_context=256, cuda_graphs=True)
     target_engine, draft_engine = TargetEngine(target), DraftEngine(DraftModelProposer(draft))
     outputs = []
@@ -289,3 +291,16 @@ def test_cuda_speculative_output_equals_plain_decoding(root, dtype):
 
     for prompt, (plain, speculative) in zip(PROMPTS, outputs):
         assert compare_outputs(prompt, speculative, plain, next_logits, tie_threshold=0.1).passed
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_cuda_batch_invariant_speculative_output_equals_plain_decoding_exactly(root, dtype):
+    """With --batch-invariant a verify computes each position as a one-token decode does, bit for bit:
+    half-precision output equals plain decoding token for token, with no near-tie allowance."""
+    outputs, target = speculative_equals_plain(tiny_dir(root, "llama"), tiny_dir(root, "llama", seed=1), "cuda",
+                                               dtype, PROMPTS + [random_tokens(40, seed=s) for s in range(5)],
+                                               batch_invariant=True)
+    assert target.info.batch_invariant and target.graphs.stats.replays > 0
+    assert all(plain == speculative for plain, speculative in outputs)

@@ -78,8 +78,8 @@ def test_mixed_batch_equals_rows_run_alone(root, slot_order, in_place, monkeypat
     import specdec.models.llama as llama
 
     attended_in_place = []
-    original = llama._attention_in_place
-    monkeypatch.setattr(llama, "_attention_in_place", lambda *a: attended_in_place.append(1) or original(*a))
+    original = llama.attention_in_place
+    monkeypatch.setattr(llama, "attention_in_place", lambda *a: attended_in_place.append(1) or original(*a))
     path = tiny_dir(root, "qwen2")
     model = native(path, num_slots=8)
     model.attend_in_place = in_place

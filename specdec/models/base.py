@@ -23,6 +23,8 @@ class ModelInfo:
     dtype: str  # "float32" | "bfloat16" | "float16"
     device: str  # "cpu" | "cuda:0" ...
     backend: str  # "native" | "hf"
+    # Every row of a batched forward computes what it computes alone (specdec.models.batch_invariant).
+    batch_invariant: bool = False
 
 
 class CausalLM(Protocol):

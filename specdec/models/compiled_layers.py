@@ -71,7 +71,7 @@ def _pre_attention(
     """x [B * T, hidden]; kv: this layer's cache flat, [2 * slots * KV * (ctx + 1), D] (keys, then
     values), written in place at write_index [B * T * KV]. Returns the rotated queries as grouped
     attention wants them, [B, KV, G * T, D] (query head h reads KV head h // G, as
-    llama._grouped_attention). The cache is passed flat, not as a view made here: a write through a
+    slot_attention.grouped_attention). The cache is passed flat, not as a view made here: a write through a
     view of an input compiled to a copy of the whole layer cache."""
     head_dim = cos.shape[-1]
     h = F.rms_norm(x, (x.shape[-1],), norm, eps)

@@ -94,7 +94,8 @@ class StaticForward:
             cos=m._cos[positions][:, None], sin=m._sin[positions][:, None], write_index=self.write_index,
             slot_index=self.slot_index, first_slot=0, mask=mask, is_causal=False, logit_rows=None,
         )
-        x = self.layers(F.embedding(self.tokens, m.weights.embed), batch)
+        with m.attention_backends(eager=False):
+            x = self.layers(F.embedding(self.tokens, m.weights.embed), batch)
         return m._norm(x, m.weights.final_norm)
 
     def capture(self, pool) -> None:

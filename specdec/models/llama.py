@@ -34,10 +34,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from specdec.errors import InvalidArgument
 from specdec.models import cpu_attention, cpu_decode
 from specdec.models.base import ModelInfo
+from specdec.models.batch_invariant import FixedRowsLinear, rows_for
 from specdec.models.kv_cache import SlotKVCache
 from specdec.models.linear_kernels import choose_linear
 from specdec.models.llama_config import LlamaConfig
 from specdec.models.llama_weights import LayerWeights, load_weights
+from specdec.models.slot_attention import attention_in_place, attention_per_token, gather_slots, grouped_attention
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +62,7 @@ class _Batch:
     mask: torch.Tensor | None  # [B, 1, T, L] bool, True = attend; None when nothing needs masking
     is_causal: bool  # a single fresh prefill: SDPA's own causal mask is exact
     logit_rows: torch.Tensor | None  # [N] flat token indices whose logits are returned (None: all)
-    # Host-side, for attention slot by slot (_attention_in_place): each row's slot and keys (start + length).
+    # Host-side, for attention slot by slot (attention_in_place): each row's slot and keys (start + length).
     slots: tuple[int, ...] = ()
     row_key_lens: tuple[int, ...] = ()
     row_tokens: tuple[int, ...] = ()  # each row's own tokens (the rest of the width is padding)
@@ -92,6 +94,10 @@ class LlamaModel:
     fused_decode: on a CPU in float32, forwards of up to cpu_decode.MAX_TOKENS tokens run as one
     compiled loop (cpu_decode.py); a draft's option (its bits differ from this path's); needs numba,
     a model without biases, and at most two intra-op threads; SPECDEC_CPU_DECODE=eager turns it off.
+    batch_invariant: every row of a forward computes exactly what it computes alone, whatever else
+    the step holds (batch_invariant.py): every product on chunks of a fixed row count, and on CUDA one
+    attention kernel for every step. Not with compile_layers (inductor picks kernels per shape); the
+    fused CPU loop is not used.
     """
 
     def __init__(
@@ -109,9 +115,13 @@ class LlamaModel:
         compile_layers: bool = False,
         graph_warmup_context: int = 0,
         fused_decode: bool = False,
+        batch_invariant: bool = False,
     ):
         if dtype not in DTYPES:
             raise InvalidArgument(f"dtype {dtype!r} is not supported; choose one of {sorted(DTYPES)}")
+        if batch_invariant and compile_layers:
+            raise InvalidArgument("batch_invariant cannot be combined with compile_layers: the compiled "
+                                  "layers pick their kernels per step shape, so a row's bits depend on the batch")
         path = Path(path)
         self.config = cfg = LlamaConfig.load(path)
         max_context = max_context or default_max_context(cfg.max_position_embeddings)
@@ -123,6 +133,9 @@ class LlamaModel:
             # ones at ~70% (scripts/bench_gpu_step.py, H200).
             linear_kernel = "dense-nt"
         self.linear = choose_linear(self.device, self.dtype, linear_kernel)
+        self.batch_invariant = batch_invariant
+        if batch_invariant:
+            self.linear = FixedRowsLinear(self.linear, rows_for(self.device))
         self.head_token_ids = head_token_ids
         self.weights = load_weights(path, cfg, self.dtype, self.device, self.linear, head_token_ids)
         self.cache = SlotKVCache(
@@ -135,7 +148,7 @@ class LlamaModel:
         # SDPA can take its memory-efficient kernel with a mask on CUDA; on CPU the measured kernels
         # stay as they are.
         self.group_queries = self.device.type == "cuda"
-        # On a CPU, rows whose slots are not one range attend slot by slot in place (_attention_in_place)
+        # On a CPU, rows whose slots are not one range attend slot by slot in place (attention_in_place)
         # instead of gathering the batch's keys and values into one tensor every layer.
         self.attend_in_place = self.device.type == "cpu"
         # On a CPU, float32 decode and verify tokens attend through a compiled loop (cpu_attention.py)
@@ -147,7 +160,7 @@ class LlamaModel:
         # once) instead of four (cast, normalise, cast back, scale): a decode step is mostly small
         # kernels at a few microseconds each. It rounds once where transformers rounds twice.
         self.fuse_norm = self.device.type == "cuda"
-        self.fused = cpu_decode.for_model(self, path, head_token_ids) if fused_decode else None
+        self.fused = cpu_decode.for_model(self, path, head_token_ids) if fused_decode and not batch_invariant else None
         self.graphs = None
         if cuda_graphs:
             from specdec.models.cuda_graphs import GraphRunner
@@ -158,6 +171,7 @@ class LlamaModel:
         self.info = ModelInfo(
             name=name or str(path), architecture=cfg.architecture, vocab_size=cfg.vocab_size,
             max_context=max_context, dtype=dtype, device=str(self.device), backend="native",
+            batch_invariant=batch_invariant,
         )
         if self.graphs is not None and graph_warmup_context > 0:
             started = time.perf_counter()
@@ -258,20 +272,28 @@ class LlamaModel:
             h = self.graphs.forward(slots, token_ids, starts, lengths, num_logits)  # None: not a static shape
         if h is None:
             batch = self._plan(slots, token_ids, starts, lengths, num_logits)
-            with self._eager_attention():
+            with self.attention_backends(eager=True):
                 x = self._layers(F.embedding(batch.tokens, self.weights.embed), batch)  # [B * T, hidden]
             h = self._norm(x.index_select(0, batch.logit_rows), self.weights.final_norm)
         logits = self.linear(h, self.weights.lm_head).float()  # [N, vocab]
         self.cache.advance(slots, lengths)
         return logits, h
 
-    def _eager_attention(self):
-        """Attention backends for an eager forward (prefills, shapes outside the graphs). Not cuDNN's:
-        it builds a plan for every new shape, and a prefill's shape is its prompt's length, so each new
-        length paid 0.7-1.0 s (a draft catch-up of 150 tokens on an H200: 680 ms the first time, 70 ms
-        warm; 150 ms and 22 ms without cuDNN). The captured graphs keep it: their shapes are fixed and
-        planned once, at capture, and there it is the fastest (docs/BENCHMARKS.md)."""
+    def attention_backends(self, eager: bool):
+        """The SDPA backends of a forward on CUDA. Eager forwards (prefills, shapes outside the graphs):
+        not cuDNN's, which builds a plan for every new shape, and a prefill's shape is its prompt's
+        length, so each new length paid 0.7-1.0 s (a draft catch-up of 150 tokens on an H200: 680 ms the
+        first time, 70 ms warm; 150 ms and 22 ms without cuDNN). The captured graphs keep it: their
+        shapes are fixed and planned once, at capture, and there it is the fastest (docs/BENCHMARKS.md).
+        Batch-invariant: the memory-efficient kernel everywhere, graphs and eager alike, so that a token
+        attends through the same kernel whichever kind of step computes it; a query's output from it
+        does not depend on the step's rows, tokens per row or key bucket (scripts/probe_batch_invariance.py:
+        the math backend's does)."""
         if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        if self.batch_invariant:
+            return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION])
+        if not eager:
             return contextlib.nullcontext()
         return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
@@ -321,16 +343,17 @@ class LlamaModel:
         values.view(-1, head_dim).index_copy_(0, b.write_index, qkv[:, heads + kv_heads :].reshape(-1, head_dim))
         q = qk[:, :heads]  # [tokens, H, D]
         if b.query_key_lens is not None:
-            out = cpu_attention.attend(q, keys, values, b.query_slots, b.query_key_lens)  # [tokens, H * D]
+            attend = cpu_attention.attend if self.compiled_attention else attention_per_token
+            out = attend(q, keys, values, b.query_slots, b.query_key_lens)  # [tokens, H * D]
         elif self.attend_in_place and b.slots and (b.slot_index is not None or b.packed_index is not None):
-            out = _attention_in_place(q, keys, values, b)  # [tokens, H * D]
+            out = attention_in_place(q, keys, values, b)  # [tokens, H * D]
         else:
             if b.packed_index is not None:  # the real tokens into the padded layout
                 q = q.new_zeros(b.num_rows * b.width, heads, head_dim).index_copy_(0, b.packed_index, q)
             q = q.reshape(b.num_rows, b.width, heads, head_dim).transpose(1, 2)  # [B, H, T, D]
-            keys, values = _gather(keys, b), _gather(values, b)  # [B, KV, L, D]
+            keys, values = gather_slots(keys, b), gather_slots(values, b)  # [B, KV, L, D]
             if self.group_queries and heads != kv_heads and not b.is_causal:
-                out = _grouped_attention(q, keys, values, b.mask)
+                out = grouped_attention(q, keys, values, b.mask)
             else:
                 out = F.scaled_dot_product_attention(
                     q, keys, values, attn_mask=b.mask, is_causal=b.is_causal, enable_gqa=heads != kv_heads
@@ -373,9 +396,11 @@ class LlamaModel:
             slots, rows, starts, lengths, num_logits, B, T, self.config.num_kv_heads, self.cache.max_context)
         key_len = max(s + n for s, n in zip(starts, lengths))
         single_decode = B == 1 and T == 1
-        fresh_prefill = B == 1 and starts[0] == 0
+        # Batch-invariant: every forward masks explicitly, so that on CUDA every token goes through the
+        # one kernel allowed (SDPA's causal flag and an unmasked decode may pick others).
+        fresh_prefill = B == 1 and starts[0] == 0 and not self.batch_invariant
         mask = None
-        if not (single_decode or fresh_prefill):
+        if not (single_decode or fresh_prefill) or self.batch_invariant:
             mask = (torch.arange(key_len) <= positions[:, :, None])[:, None]  # [B, 1, T, L]
         contiguous = slots == list(range(slots[0], slots[0] + B))
         dev = self.device
@@ -393,8 +418,10 @@ class LlamaModel:
             tokens, positions, write_index = tokens[packed], positions[packed], write_index[packed]
             logit_index = (real.cumsum(0) - 1)[logit_index]  # a real token's flat index -> its packed one
         query_slots = query_key_lens = None
+        # Batch-invariant on a CPU: every token attends alone (the compiled loop, else SDPA token by
+        # token), so that no kernel tiles its queries by the step's width or threads.
         if (self.compiled_attention and T <= cpu_attention.MAX_QUERY_TOKENS
-                and torch.get_num_threads() <= cpu_attention.MAX_THREADS):
+                and torch.get_num_threads() <= cpu_attention.MAX_THREADS) or (self.batch_invariant and dev.type == "cpu"):
             query_slots, query_key_lens = cpu_attention.query_layout(slots, starts, lengths)
         positions = positions.to(dev)
         return _Batch(
@@ -436,51 +463,6 @@ def host_indices(
 def default_max_context(max_position_embeddings: int) -> int:
     """Tokens per slot when the caller names none: the model's limit, capped so 8 slots fit in memory."""
     return min(max_position_embeddings, 2048)
-
-
-def _gather(cache: torch.Tensor, b: _Batch) -> torch.Tensor:
-    """The first key_len columns of the batch's slots: [B, KV, L, D] (a view when the slots are a range)."""
-    head = cache[:, :, : b.key_len]
-    if b.slot_index is None:
-        return head[b.first_slot : b.first_slot + b.num_rows]
-    return head.index_select(0, b.slot_index)
-
-
-def _attention_in_place(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, b: _Batch) -> torch.Tensor:
-    """Attention of q [tokens, H, D] (each row's T tokens, or with b.packed_index its own tokens only)
-    row by row, each over its own slot's keys and values where the cache holds them ([slots, KV,
-    ctx + 1, D]), up to the row's own length; returns [tokens, H * D]. On a CPU, gathering the
-    rows' slots into one [B, KV, L, D] tensor copied the batch's whole cache every layer: 16 decode
-    rows at contexts of 250-400 took 143 ms a step against 112 ms for the same rows in one slot range
-    (a view). Row by row it is the masked batched arithmetic, the padding left out. A row of one token
-    (a decode) attends to every key up to its own length, so it needs no mask (SDPA converts one each call)."""
-    out, first = [], 0
-    for i, (slot, key_len, num_tokens) in enumerate(zip(b.slots, b.row_key_lens, b.row_tokens)):
-        width = num_tokens if b.packed_index is not None else b.width
-        q_row = q[first : first + width].transpose(0, 1)[None]  # [1, H, width, D]
-        first += width
-        mask = None if b.mask is None or num_tokens == 1 else b.mask[i : i + 1, :, :width, :key_len]
-        row = F.scaled_dot_product_attention(
-            q_row, keys[slot : slot + 1, :, :key_len], values[slot : slot + 1, :, :key_len],
-            attn_mask=mask, is_causal=b.is_causal, enable_gqa=q.shape[1] != keys.shape[1])  # [1, H, width, D]
-        out.append(row[0].transpose(0, 1).reshape(width, -1))
-    return torch.cat(out)
-
-
-def _grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                       mask: torch.Tensor | None) -> torch.Tensor:
-    """Attention of q [B, H, T, D] over keys/values [B, KV, L, D] with the H / KV query heads that share
-    a KV head stacked as one longer query block [B, KV, G * T, D]: the arithmetic of repeating the
-    keys/values per query head (head h reads KV head h // G, as transformers' repeat_kv) without
-    materialising the repeat. mask [B, 1, T, L] or None. Returns [B, H, T, D]."""
-    B, H, T, D = q.shape
-    kv_heads, L = keys.shape[1], keys.shape[2]
-    groups = H // kv_heads
-    q = q.reshape(B, kv_heads, groups * T, D)
-    if mask is not None:
-        mask = mask[:, :, None].expand(B, 1, groups, T, L).reshape(B, 1, groups * T, L)
-    # reshape, not view: the memory-efficient kernel may return a transposed layout
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask).reshape(B, H, T, D)
 
 
 def _rope_tables(cfg: LlamaConfig, length: int, dtype: torch.dtype, device: torch.device):

@@ -60,6 +60,7 @@ def load_model(
     compile_layers: bool = False,
     graph_warmup_context: int = 0,
     fused_decode: bool = False,
+    batch_invariant: bool = False,
 ) -> CausalLM:
     """Load the model in directory `path` with `backend` ("native", "hf", or "auto": native if supported).
 
@@ -76,6 +77,8 @@ def load_model(
     fused_decode (native, CPU, float32): forwards of a few tokens as one compiled loop
     (specdec.models.cpu_decode); for drafts only, since its results differ from the PyTorch path's
     in the last bits. Ignored elsewhere.
+    batch_invariant (native only): every row of a batched forward computes exactly what it computes
+    alone (specdec.models.batch_invariant).
     """
     path = Path(path)
     apply_matmul_reductions()
@@ -95,10 +98,12 @@ def load_model(
             path, device=device, dtype=dtype, num_slots=num_slots, max_context=max_context,
             kv_budget_bytes=kv_budget_bytes, name=name, head_token_ids=reduced_head(path, head_vocab),
             cuda_graphs=use_cuda_graphs(cuda_graphs, device), compile_layers=compile_layers,
-            graph_warmup_context=graph_warmup_context, fused_decode=fused_decode,
+            graph_warmup_context=graph_warmup_context, fused_decode=fused_decode, batch_invariant=batch_invariant,
         )
     if kv_budget_bytes is not None:
         raise InvalidArgument("kv_budget_bytes is supported by the native backend only; give num_slots")
+    if batch_invariant:
+        raise InvalidArgument("batch_invariant is supported by the native backend only")
     if head_vocab:
         raise InvalidArgument("a reduced head (head_vocab) is supported by the native backend only")
     from specdec.models.hf_backend import HFModel

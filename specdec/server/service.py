@@ -55,6 +55,11 @@ def add_model_arguments(group: Any, *, num_slots_help: str) -> None:
                             f"sessions and this many tokens of context at startup (default {GRAPH_WARMUP_CONTEXT}; "
                             "0 with --compile-layers, where each shape compiles for 15-65 s); 0: capture each "
                             "shape on its first use, inside a request")
+    group.add_argument("--batch-invariant", action="store_true",
+                       help="every session's rows compute exactly what they compute alone, whatever else a "
+                            "batched step holds (native backend; fixed-shape products, one attention kernel): "
+                            "half-precision output then equals plain decoding token for token, at some cost "
+                            "in wide steps (specdec/models/batch_invariant.py)")
     group.add_argument("--num-slots", type=int, default=8, help=num_slots_help)
     group.add_argument("--max-context", type=int, default=None, help="tokens per session (default: the model's)")
     group.add_argument("--session-ttl", type=float, default=600.0, help="seconds before an idle session expires")
@@ -66,6 +71,7 @@ def model_settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The add_model_arguments flags as keyword arguments of a service's settings."""
     return {"backend": args.backend, "device": args.device, "dtype": args.dtype, "num_slots": args.num_slots,
             "cuda_graphs": cuda_graphs_flag(args.cuda_graphs), "compile_layers": args.compile_layers,
+            "batch_invariant": args.batch_invariant,
             "graph_warmup_context": graph_warmup_context(args.graph_warmup_context, args.compile_layers),
             "max_context": args.max_context, "session_ttl_s": args.session_ttl, "ready_file": args.ready_file}
 
@@ -117,8 +123,14 @@ def cuda_graphs_flag(value: str | None) -> bool | None:
     return None if value is None else value == "on"
 
 
-def check_model_settings(num_slots: int, max_context: int | None, session_ttl_s: float) -> None:
+def check_model_settings(num_slots: int, max_context: int | None, session_ttl_s: float,
+                         batch_invariant: bool = False, compile_layers: bool = False, backend: str = "native") -> None:
     """ConfigError, naming the flag, for values no model service can run with."""
+    if batch_invariant and compile_layers:
+        raise ConfigError("--batch-invariant cannot be combined with --compile-layers: compiled layers pick "
+                          "their kernels per step shape, so a row's result would depend on its batch")
+    if batch_invariant and backend != "native":
+        raise ConfigError(f"--batch-invariant needs --backend native, got {backend!r}")
     if num_slots < 1:
         raise ConfigError(f"--num-slots must be >= 1, got {num_slots}")
     if max_context is not None and max_context < 2:

@@ -1,0 +1,67 @@
+"""Batch-invariant products: a row's result does not depend on the rows it shares a step with.
+
+In half precision a matrix product's rounding depends on the kernel that computes it, and the kernel
+cuBLAS picks depends on the product's shape. A session's decode row computed alone (1 row) and the
+same row inside a step with other sessions' verify rows (16 rows of up to 9 tokens: 144) can go
+through different kernels and come out different in the last bits; over many positions that drift
+can change a greedy token (docs/BENCHMARKS.md, round 41: one request of 2,880 in bf16 parted from
+plain decoding beyond the near-tie rule, a request that never drafted). ARCHITECTURE.md: batch-
+invariant kernels remove ties entirely.
+
+FixedRowsLinear runs every product on chunks of exactly `rows` rows, the last chunk padded with zero
+rows, so every call has one shape whatever the step holds: cuBLAS is deterministic for a given shape,
+layout and device, and each output row of a product depends only on its own input row. The price is
+the padding (a one-row decode multiplies `rows` rows) and one more read of the weights for each
+further chunk of a wide step. On a GPU a product of a few dozen rows is memory-bound, as cheap as one
+row, so a chunk holds 64; on a CPU every row costs compute, so 8.
+
+On a CPU in float32 the native backend's kernels are not row-invariant either: MKL's product of 4 or
+more rows rounds differently from its one-row product, and the one-thread hybrid kernel sends one row
+to MKL and more to oneDNN (tests/test_batch_invariant.py). Exact greedy equality there rests on near-
+ties being rare; with batch_invariant it holds by construction.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Rows per product chunk, by device type. On a GPU a step of up to 64 tokens (16 sessions' decodes, or 8
+# sessions' verifies of 7 drafted tokens) is one chunk; wider steps read the weights once per chunk.
+ROWS = {"cuda": 64, "cpu": 8}
+
+
+def rows_for(device: torch.device) -> int:
+    return ROWS.get(device.type, ROWS["cuda"])
+
+
+class FixedRowsLinear:
+    """A linear kernel (linear_kernels.py) whose every product has exactly `rows` activation rows."""
+
+    def __init__(self, inner, rows: int):
+        if rows < 1:
+            raise ValueError(f"rows per product must be >= 1, got {rows}")
+        self.inner, self.rows = inner, rows
+        self.name = f"{inner.name}, {rows} rows a product"
+
+    def prepare(self, weight: torch.Tensor):
+        return self.inner.prepare(weight)
+
+    def __call__(self, x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+        n = x.shape[0]
+        if n == 0:  # no row asked for logits: nothing to make invariant
+            return self.inner(x, w, bias)
+        x = self._padded(x)
+        return torch.cat([self.inner(x[i:i + self.rows], w, bias) for i in range(0, x.shape[0], self.rows)])[:n]
+
+    def add(self, residual: torch.Tensor, x: torch.Tensor, w) -> torch.Tensor:
+        """residual + x @ w.T, chunk by chunk (the residual rides in the product, as inner.add does)."""
+        n = x.shape[0]
+        if n == 0:
+            return self.inner.add(residual, x, w)
+        x, residual = self._padded(x), self._padded(residual)
+        return torch.cat([self.inner.add(residual[i:i + self.rows], x[i:i + self.rows], w)
+                          for i in range(0, x.shape[0], self.rows)])[:n]
+
+    def _padded(self, x: torch.Tensor) -> torch.Tensor:
+        pad = -x.shape[0] % self.rows
+        return x if pad == 0 else torch.cat((x, x.new_zeros(pad, *x.shape[1:])))
