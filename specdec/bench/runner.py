@@ -175,7 +175,10 @@ class Bench:
         load = lambda d, device, **kw: load_model(d, backend=c.backend, device=device, dtype=c.dtype,  # noqa: E731
                                                   num_slots=2, cuda_graphs=c.cuda_graphs, max_context=c.max_context,
                                                   **kw)
-        self.inproc_models = {"target": load(self.target_dir, c.device)}
+        # The in-process target (references, the replay proposer's greedy tokens, timings) computes as
+        # the target service does: with --target-arg=--batch-invariant its bf16 tokens are those.
+        self.inproc_models = {"target": load(self.target_dir, c.device,
+                                             batch_invariant="--batch-invariant" in c.target_args)}
         target = TargetEngine(self.inproc_models["target"])
         drafts = {"ngram": DraftEngine(NgramProposer())}
         if self.draft_dir is not None:

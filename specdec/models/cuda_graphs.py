@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import gc
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -115,8 +116,18 @@ class StaticForward:
         self.graph = torch.cuda.CUDAGraph()
         # Our own capture stream: torch.cuda.graph's default one is created once, on whichever device
         # was current then, and capturing a cuda:1 model on a cuda:0 stream fails.
-        with torch.cuda.graph(self.graph, pool=pool, stream=side, capture_error_mode="thread_local"):
-            self.hidden = self.run()
+        # No garbage collection inside the capture: collecting another model's captured graphs (a
+        # GraphRunner and its model form a cycle) destroys them, which CUDA refuses while a stream
+        # captures, and the capture is invalidated (GPU tests, models of earlier tests; seen on an H200).
+        gc.collect()
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(self.graph, pool=pool, stream=side, capture_error_mode="thread_local"):
+                self.hidden = self.run()
+        finally:
+            if collecting:
+                gc.enable()
 
     def __call__(self, host_inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Hidden states of every token, and the device copy of the rows to score."""
