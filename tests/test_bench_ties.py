@@ -85,6 +85,12 @@ async def test_the_target_scores_each_divergence_at_its_first_differing_token(tm
     assert scored == 1
     assert [r.logit_gap for r in results[:2]] == [None, None] and results[3].logit_gap is None  # shorter only
     assert results[2].logit_gap == pytest.approx(float(logits[plain[2]] - logits[runner_up]), abs=1e-5)
+    assert results[2].tie_threshold > 0
+    # A batch-invariant target (--batch-invariant): no tie allowance, any divergence is a failure
+    results[2].logit_gap = results[2].tie_threshold = None
+    async with hosted(target_dir, TargetServicer, num_slots=2, max_context=64) as (_, servicer):
+        assert await ties.rescore(results, {"q1": PROMPT}, servicer.test_address, "bfloat16", exact=True) == 1
+    assert results[2].tie_threshold == 0.0 and results[2].logit_gap > 0
 
 
 def test_a_bf16_run_scores_every_output_that_parts_from_plain_decoding(tmp_path):

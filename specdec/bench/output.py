@@ -141,6 +141,7 @@ def assemble(bench: Bench, collected: Collected) -> dict:
                                     "latency counts from arrival, client-side waits for a session included"}
             if c.arrival_rates else None,
             "hf": notes.get("hf"), "warmup_s": notes.get("warmup_s"), "rescored_divergences": notes.get("rescored_divergences"),
+            "batch_invariant_target": notes.get("batch_invariant_target", False),
             "tie_units": c.tie_units, "log_dir": notes.get("log_dir"),
         },
         "methods": bench.describe_methods(),

@@ -272,8 +272,10 @@ class Bench:
                     await phases.netem(self, stack, deployment)
                 if self.config.dtype not in EXACT_DTYPES:  # near-ties may flip: the target re-scores
                     try:
+                        exact = "--batch-invariant" in self.config.target_args
                         scored = await ties.rescore(self.collected.results, self.prompt_ids, deployment.target.address,
-                                                    self.config.dtype, self.config.tie_units)
+                                                    self.config.dtype, self.config.tie_units, exact=exact)
+                        self.collected.notes["batch_invariant_target"] = exact
                         self.collected.notes["rescored_divergences"] = scored
                     except Exception as exc:  # noqa: BLE001 - the run's numbers stand without it
                         log.warning("could not re-score the outputs that part from plain decoding: %r", exc)

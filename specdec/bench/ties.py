@@ -17,10 +17,11 @@ from specdec.server.settings import ClientSettings
 
 
 async def rescore(results: list[RequestResult], prompt_ids: dict[str, list[int]], target_address: str,
-                  dtype: str, units: float = TIE_ULPS) -> int:
+                  dtype: str, units: float = TIE_ULPS, exact: bool = False) -> int:
     """Set logit_gap and tie_threshold (equality.tie_threshold for the target's dtype, `units` units
     in the last place) on every result that differs from plain decoding's at batch 1; how many
-    divergences were scored."""
+    divergences were scored. exact (a batch-invariant target, --batch-invariant): no tie allowance,
+    threshold 0, since every row computes what a one-token decode computes and no near-tie can flip."""
     from target_service.client import connect
 
     reference: dict[str, list[int]] = {}
@@ -40,7 +41,7 @@ async def rescore(results: list[RequestResult], prompt_ids: dict[str, list[int]]
             if key not in gaps:
                 (candidate, reference_logit), _ = await target.score_tokens(
                     prompt_ids[r.question_id] + plain[:i], [r.token_ids[i], plain[i]])
-                gaps[key] = abs(candidate - reference_logit), tie_threshold(dtype, candidate, reference_logit,
-                                                                                   units=units)
+                threshold = 0.0 if exact else tie_threshold(dtype, candidate, reference_logit, units=units)
+                gaps[key] = abs(candidate - reference_logit), threshold
             r.logit_gap, r.tie_threshold = gaps[key]
     return len(gaps)
