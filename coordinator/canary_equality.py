@@ -8,7 +8,7 @@ decodes as many tokens as the turn produced (no stop conditions: the lengths the
 early EOS on either side shows up as a divergence).
 
 The rule is specdec.generation.equality.compare_outputs. With fp32 targets on both sides it is exact:
-any divergence is a failure. In bf16/fp16 a near-tie may flip between a multi-token verify and a
+any divergence is a failure; so it is with batch-invariant targets (--batch-invariant) in any dtype. In bf16/fp16 a near-tie may flip between a multi-token verify and a
 one-token decode; telling it from a bug takes the target's logits at the divergence: the baseline
 target scores both tokens after the shared prefix (ScoreTokens), and a gap within the tie threshold
 (tie_threshold, at least 0.05, or a few units in the last place of the logits in the target's
@@ -132,12 +132,14 @@ class EqualityChecker:
                 await client.end_session(replay_id)
 
     async def _is_exact(self, endpoint: str) -> bool:
-        """Whether the target computes in fp32 (unknown endpoints count as exact: the baseline's
-        dtype decides then)."""
+        """Whether the target computes in fp32, or batch-invariantly (--batch-invariant: a verify
+        computes every position as a one-token decode does, so no near-tie can flip and any
+        divergence is a failure; like fp32, this holds between replicas on the same hardware and
+        software). Unknown endpoints count as exact: the baseline's settings decide then."""
         if not endpoint:
             return True
         try:
             description = await self.router.describe(TARGET, endpoint)
         except Exception:  # noqa: BLE001 - gone since the turn: the baseline's dtype decides
             return True
-        return description.model.dtype in EXACT_DTYPES
+        return description.model.dtype in EXACT_DTYPES or description.model.batch_invariant

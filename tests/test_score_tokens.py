@@ -83,8 +83,8 @@ class _BaselineRouter:
     """The canary checker's view of the baseline pool: one target, described as bf16 (so that a
     divergence needs re-scoring); the target itself is real, over gRPC."""
 
-    def __init__(self, client):
-        self.client = client
+    def __init__(self, client, batch_invariant=False):
+        self.client, self.batch_invariant = client, batch_invariant
 
     async def choose_target(self, pool):
         return "baseline:0"
@@ -97,7 +97,8 @@ class _BaselineRouter:
 
     async def describe(self, role, endpoint):
         description = await self.client.describe()
-        return dataclasses.replace(description, model=dataclasses.replace(description.model, dtype="bfloat16"))
+        return dataclasses.replace(description, model=dataclasses.replace(description.model, dtype="bfloat16",
+                                                                          batch_invariant=self.batch_invariant))
 
 
 class _OlderTarget(TargetServicer):
@@ -105,21 +106,24 @@ class _OlderTarget(TargetServicer):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
 
 
-@pytest.mark.parametrize("servicer_class, threshold, pick, result", [
-    (TargetServicer, 1e3, 1, "tie"), (TargetServicer, 0.05, -1, "failed"), (_OlderTarget, 1e3, 1, "unscored")],
-    ids=["tie", "failed", "older-target"])
+@pytest.mark.parametrize("servicer_class, threshold, pick, result, batch_invariant", [
+    (TargetServicer, 1e3, 1, "tie", False), (TargetServicer, 0.05, -1, "failed", False),
+    (_OlderTarget, 1e3, 1, "unscored", False), (TargetServicer, 1e3, 1, "failed", True)],
+    ids=["tie", "failed", "older-target", "batch-invariant"])
 async def test_the_canary_sorts_a_bf16_divergence_by_the_targets_scores(target_dir, servicer_class, threshold, pick,
-                                                                       result):
+                                                                       result, batch_invariant):
     """A replayed turn that parts from plain decoding at token 3 (to the runner-up, or to the least
     likely token): a tie when the baseline target's logit gap between the two tokens there is below
     the threshold (at least a few bf16 units in the last place), a failure above it, unscored where
-    the target cannot score."""
+    the target cannot score. Batch-invariant targets (--batch-invariant) have no near-ties to allow:
+    even the runner-up is a failure there, unscored."""
     from opentelemetry import trace
 
     from coordinator.canary_equality import EqualityChecker
 
     async with hosted(target_dir, servicer_class, num_slots=2, max_context=CONTEXT) as (target, _):
-        checker = EqualityChecker(None, _BaselineRouter(target), trace.get_tracer("test"), tie_threshold=threshold)
+        checker = EqualityChecker(None, _BaselineRouter(target, batch_invariant), trace.get_tracer("test"),
+                                  tie_threshold=threshold)
         reference = await checker._plain("baseline:0", PROMPT, 6, SamplingParams())
         logits = _next_logits(target_dir, PROMPT + reference[:3])
         other = int(logits.sort(descending=True).indices[pick])
@@ -129,5 +133,5 @@ async def test_the_canary_sorts_a_bf16_divergence_by_the_targets_scores(target_d
         record = types.SimpleNamespace(sampling=SamplingParams(), target_replica="baseline:0")
         out = await checker._compare(PROMPT, candidate, record, "s")
     assert out["result"] == result and out["divergence"] == 3
-    if result != "unscored":
+    if result != "unscored" and not batch_invariant:
         assert out["logit_gap"] == pytest.approx(gap, abs=1e-5)
