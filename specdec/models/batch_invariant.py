@@ -24,6 +24,7 @@ ties being rare; with batch_invariant it holds by construction.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 # Rows per product chunk, by device type. On a GPU a step of up to 64 tokens (16 sessions' decodes, or 8
 # sessions' verifies of 7 drafted tokens) is one chunk; wider steps read the weights once per chunk.
@@ -51,7 +52,7 @@ class FixedRowsLinear:
         if n == 0:  # no row asked for logits: nothing to make invariant
             return self.inner(x, w, bias)
         x = self._padded(x)
-        return torch.cat([self.inner(x[i:i + self.rows], w, bias) for i in range(0, x.shape[0], self.rows)])[:n]
+        return _joined([self.inner(x[i:i + self.rows], w, bias) for i in range(0, x.shape[0], self.rows)])[:n]
 
     def add(self, residual: torch.Tensor, x: torch.Tensor, w) -> torch.Tensor:
         """residual + x @ w.T, chunk by chunk (the residual rides in the product, as inner.add does)."""
@@ -59,9 +60,14 @@ class FixedRowsLinear:
         if n == 0:
             return self.inner.add(residual, x, w)
         x, residual = self._padded(x), self._padded(residual)
-        return torch.cat([self.inner.add(residual[i:i + self.rows], x[i:i + self.rows], w)
-                          for i in range(0, x.shape[0], self.rows)])[:n]
+        return _joined([self.inner.add(residual[i:i + self.rows], x[i:i + self.rows], w)
+                        for i in range(0, x.shape[0], self.rows)])[:n]
 
     def _padded(self, x: torch.Tensor) -> torch.Tensor:
         pad = -x.shape[0] % self.rows
-        return x if pad == 0 else torch.cat((x, x.new_zeros(pad, *x.shape[1:])))
+        return x if pad == 0 else F.pad(x, (0, 0, 0, pad))  # zero rows below: one kernel
+
+
+def _joined(chunks: list[torch.Tensor]) -> torch.Tensor:
+    # A step of up to `rows` tokens (most of them) is one chunk: no copy.
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
