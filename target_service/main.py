@@ -154,8 +154,8 @@ def run(settings: TargetServiceSettings, adapt_inner_draft=None) -> int:
     from specdec.models.registry import resolve_model
 
     model_dir = resolve_model(settings.model)
-    log.info("loading target %s from %s (%s, %s, %s)", settings.model, model_dir, settings.backend,
-             settings.device, settings.dtype)
+    log.info("loading target %s from %s (%s, %s, %s%s)", settings.model, model_dir, settings.backend,
+             settings.device, settings.dtype, ", batch-invariant" if settings.batch_invariant else "")
     model = load_model(model_dir, backend=settings.backend, device=settings.device, dtype=settings.dtype,
                        num_slots=settings.num_slots, max_context=settings.max_context, name=settings.model,
                        cuda_graphs=settings.cuda_graphs, compile_layers=settings.compile_layers,

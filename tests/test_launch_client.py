@@ -45,13 +45,16 @@ def models(tmp_path_factory):
     return tiny_model_dir(base, "target", seed=0), tiny_model_dir(base, "draft-random", seed=1)
 
 
-@pytest.mark.parametrize("placement", ["service", "target"])
-def test_launch_with_prompt_prints_the_plain_decoding_answer(models, placement):
-    """The draft model as a service of its own, or hosted by the target (--draft-placement target)."""
+@pytest.mark.parametrize("placement, extra", [("service", []), ("target", []), ("service", ["--batch-invariant"])],
+                         ids=["service", "target", "batch-invariant"])
+def test_launch_with_prompt_prints_the_plain_decoding_answer(models, placement, extra, tmp_path):
+    """The draft model as a service of its own, or hosted by the target (--draft-placement target);
+    and a batch-invariant target (--batch-invariant reaches the target service)."""
     target, draft = models
     result = subprocess.run(
-        specdec_cmd("launch", "--target", str(target), "--draft", str(draft), "--port", "0",
-                    "--draft-placement", placement, "--prompt", PROMPT, "--max-new-tokens", "24", "--json"),
+        specdec_cmd("launch", "--target", str(target), "--draft", str(draft), "--port", "0", *extra,
+                    "--log-dir", str(tmp_path), "--draft-placement", placement, "--prompt", PROMPT,
+                    "--max-new-tokens", "24", "--json"),
         cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -60,6 +63,8 @@ def test_launch_with_prompt_prints_the_plain_decoding_answer(models, placement):
     assert answer["token_ids"] == plain_greedy(target, prompt_ids, 24)
     proposer = {"service": "draft-model", "target": "draft-model-target"}[placement]
     assert answer["stats"]["proposer"] == proposer and answer["stats"]["cycles"] > 0
+    target_log = "".join(p.read_text() for p in tmp_path.glob("target_service*.log"))
+    assert ("batch-invariant" in target_log) == bool(extra), target_log[-2000:]
 
 
 @pytest.fixture(scope="module")

@@ -37,6 +37,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--backend", choices=["native", "hf", "auto"], default="native")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="the target computes every row of a batched step as it would alone: exact output "
+                             "in half precision, at a cost (docs/DEPLOYMENT.md)")
     parser.add_argument("--num-draft-tokens", "-k", type=int, default=4)
     parser.add_argument("--pipelining", choices=["on", "off", "auto"], default="auto",
                         help="the coordinator's --pipelining: draft the next block during verification "
@@ -82,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
         log.info("redis at %s; logs in %s", redis_url.split("@")[-1], log_dir)
         inner = args.draft_placement == "target" and draft != "none"
         target_cli = ["--host", "127.0.0.1", "--plaintext", "--model", str(target_dir), *model_args(args)]
+        if args.batch_invariant:
+            target_cli.append("--batch-invariant")
         if inner and draft != "ngram":  # the target hosts the draft model
             target_cli += ["--inner-draft", str(resolve_model(draft))]
         target = launch("target_service", target_cli, log_dir=log_dir)
