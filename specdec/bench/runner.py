@@ -75,6 +75,11 @@ class BenchConfig:
     draft_args: tuple[str, ...] = ()  # extra flags for every draft service (--draft-arg)
     coordinator_args: tuple[str, ...] = ()  # extra flags for every coordinator (--coordinator-arg)
 
+    @property
+    def batch_invariant_target(self) -> bool:
+        """--target-arg=--batch-invariant: the target computes every row as alone (no near-ties)."""
+        return "--batch-invariant" in self.target_args
+
 
 @dataclass
 class Collected:
@@ -178,7 +183,7 @@ class Bench:
         # The in-process target (references, the replay proposer's greedy tokens, timings) computes as
         # the target service does: with --target-arg=--batch-invariant its bf16 tokens are those.
         self.inproc_models = {"target": load(self.target_dir, c.device,
-                                             batch_invariant="--batch-invariant" in c.target_args)}
+                                             batch_invariant=c.batch_invariant_target)}
         target = TargetEngine(self.inproc_models["target"])
         drafts = {"ngram": DraftEngine(NgramProposer())}
         if self.draft_dir is not None:
@@ -272,7 +277,7 @@ class Bench:
                     await phases.netem(self, stack, deployment)
                 if self.config.dtype not in EXACT_DTYPES:  # near-ties may flip: the target re-scores
                     try:
-                        exact = "--batch-invariant" in self.config.target_args
+                        exact = self.config.batch_invariant_target
                         scored = await ties.rescore(self.collected.results, self.prompt_ids, deployment.target.address,
                                                     self.config.dtype, self.config.tie_units, exact=exact)
                         self.collected.notes["batch_invariant_target"] = exact
