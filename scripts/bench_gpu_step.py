@@ -82,7 +82,30 @@ def to_nt(model: LlamaModel) -> None:
 
 
 def use(model: LlamaModel, variant) -> None:
-    model.graphs, model.group_queries, model.fuse_norm = variant
+    """variant: (graph runner, grouped queries, fused norm[, linear kernel, batch-invariant attention,
+    rows the residual stream is padded to]); the short form is the model's own linear, not invariant."""
+    model.graphs, model.group_queries, model.fuse_norm = variant[:3]
+    model.linear, model.batch_invariant, model.pad_rows = variant[3:] if len(variant) > 3 else BASE[id(model)]
+
+
+BASE: dict[int, tuple] = {}  # id(model) -> (its linear kernel, False, 0), the short form's mode
+
+
+def invariant_variants(model: LlamaModel, capture: bool) -> dict:
+    """--batch-invariant and its parts, each over its own graph captures: inv-R, products on chunks of R
+    rows with the residual stream padded once per forward (R = 64: the shipped mode); inv64-per-product,
+    each product padding its own input (round 42's code); inv64-linear, the products alone (attention as
+    the default graphs run it); inv-attention, the memory-efficient attention alone."""
+    from specdec.models.batch_invariant import FixedRowsLinear
+    from specdec.models.cuda_graphs import GraphRunner
+
+    base = BASE[id(model)][0]
+    out = {f"graphs-inv{rows}": (GraphRunner(model, capture=capture), True, True, FixedRowsLinear(base, rows), True, rows)
+           for rows in (16, 32, 64)}
+    out["graphs-inv64-per-product"] = (GraphRunner(model, capture=capture), True, True, FixedRowsLinear(base, 64), True, 0)
+    out["graphs-inv64-linear"] = (GraphRunner(model, capture=capture), True, True, FixedRowsLinear(base, 64), False, 64)
+    out["graphs-inv-attention"] = (GraphRunner(model, capture=capture), True, True, base, True, 0)
+    return out
 
 
 def time_shapes(model, slots, args, variants, gen, out, check=("eager", "graphs"), records=None) -> None:
@@ -201,6 +224,7 @@ def run_model(spec: str, args) -> dict:
     model = LlamaModel(path, device=device, dtype=args.dtype, num_slots=max_rows, max_context=args.max_context,
                        cuda_graphs=True, linear_kernel=args.linear_kernel)
     runner = model.graphs
+    BASE[id(model)] = (model.linear, False, 0)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     slots = [model.allocate() for _ in range(max_rows)]
@@ -223,7 +247,9 @@ def run_model(spec: str, args) -> dict:
     variants = {"eager-repeat-kv": (None, False, False), "eager-cast-norm": (None, True, False),
                 "graphs-cast-norm": (cast_runner, True, False), "eager": (None, True, True),
                 "graphs": (runner, True, True), "graphs-compiled": (compiled_runner, True, True)}
-    check = ("eager", "graphs") + (("graphs-compiled",) if "graphs-compiled" in args.variants else ())
+    if any(v.startswith("graphs-inv") for v in args.variants):
+        variants.update(invariant_variants(model, capture))
+    check = ("eager", "graphs") + tuple(v for v in ("graphs-compiled", "graphs-inv64") if v in args.variants)
     records = []
     time_shapes(model, slots, args, variants, gen, out, check, records)
     out["graph_stats_cast_norm"] = vars(cast_runner.stats)
@@ -233,6 +259,7 @@ def run_model(spec: str, args) -> dict:
         for old in (runner, cast_runner, compiled_runner):
             old.forwards.clear()  # the captured graphs read the old weight addresses
         to_nt(model)
+        BASE[id(model)] = (model.linear, False, 0)
         nt_runner = GraphRunner(model, capture=capture)
         nt_compiled = GraphRunner(model, capture=capture, compile_layers=True)
         if args.compile_options:  # inductor options over COMPILE_OPTIONS, for this variant only
@@ -293,10 +320,11 @@ def fp32_reference(path, device, args, contexts, records) -> dict:
 
 VARIANTS = ("eager-repeat-kv", "eager-cast-norm", "graphs-cast-norm", "eager", "graphs", "graphs-compiled",
             "eager-nt", "graphs-nt", "graphs-nt-compiled", "graphs-nt-compiled-cublas",
-            "graphs-nt-compiled-pdl")
+            "graphs-nt-compiled-pdl", "graphs-inv16", "graphs-inv32", "graphs-inv64", "graphs-inv64-per-product",
+            "graphs-inv64-linear", "graphs-inv-attention")
 
 
-EXPERIMENTS = ("graphs-nt-compiled-cublas", "graphs-nt-compiled-pdl")  # only when named
+EXPERIMENTS = ("graphs-nt-compiled-cublas", "graphs-nt-compiled-pdl") + VARIANTS[-6:]  # only when named
 
 
 def main() -> None:

@@ -51,6 +51,20 @@ def test_every_row_of_a_fixed_rows_product_is_its_product_alone(kernel, rows):
     assert torch.allclose(alone_add, kernel.add(residual, x, w), atol=1e-5)
 
 
+def test_a_residual_padded_ahead_keeps_its_rows_and_x_is_padded_to_it():
+    """The model's residual stream runs padded to whole chunks (LlamaModel.pad_rows) while the attention's
+    output holds only the real tokens: add pads x to the residual, and every residual row comes back."""
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(24, 32, generator=generator)
+    fixed = FixedRowsLinear(DenseLinear(), 8)
+    w = fixed.prepare(weight)
+    x, residual = torch.randn(3, 32, generator=generator), torch.randn(16, 24, generator=generator)
+    out = fixed.add(residual, x, w)
+    assert out.shape == (16, 24)
+    assert torch.equal(out[:3], fixed.add(residual[:3], x, w))
+    assert torch.equal(out[3:], residual[3:])  # x's padding is zero rows
+
+
 def test_rows_per_product_must_be_positive():
     with pytest.raises(ValueError, match="rows per product must be >= 1"):
         FixedRowsLinear(DenseLinear(), 0)
@@ -118,6 +132,19 @@ def test_without_the_mode_rows_depend_on_their_batch_here(root):
 def test_bfloat16_rows_compute_what_they_compute_alone(root):
     model = probe_model(tiny_dir(root, "qwen2"), True, "dense", dtype="bfloat16")
     assert batch_differences(model) == []
+
+
+def test_the_padded_stream_computes_what_padding_each_product_computes(root):
+    """The residual stream padded once per forward (pad_rows; qwen2 has biases, so its padding rows are
+    not zeros after the first layer) against every product padding its own input: the same bits."""
+    model = probe_model(tiny_dir(root, "qwen2"), True, "dense")
+    assert model.pad_rows == 8
+    rows = [random_tokens(n, seed=40 + n) for n in (1, 5, 3, 9, 2)]
+    slots = list(range(len(rows)))
+    padded_once = step_logits(model, slots, rows)
+    model.pad_rows = 0
+    per_product = step_logits(model, slots, rows)
+    assert all(torch.equal(a, b) for a, b in zip(padded_once, per_product))
 
 
 def test_the_mode_is_refused_with_compiled_layers_and_other_backends(root):

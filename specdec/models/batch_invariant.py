@@ -55,17 +55,21 @@ class FixedRowsLinear:
         return _joined([self.inner(x[i:i + self.rows], w, bias) for i in range(0, x.shape[0], self.rows)])[:n]
 
     def add(self, residual: torch.Tensor, x: torch.Tensor, w) -> torch.Tensor:
-        """residual + x @ w.T, chunk by chunk (the residual rides in the product, as inner.add does)."""
-        n = x.shape[0]
+        """residual + x @ w.T, chunk by chunk (the residual rides in the product, as inner.add does).
+        The residual may hold more rows than x (a stream already padded to whole chunks, LlamaModel.pad_rows):
+        x is padded to them, and every residual row comes back."""
+        n = residual.shape[0]
         if n == 0:
             return self.inner.add(residual, x, w)
-        x, residual = self._padded(x), self._padded(residual)
+        residual = self._padded(residual)
+        x = self._padded(x, residual.shape[0])
         return _joined([self.inner.add(residual[i:i + self.rows], x[i:i + self.rows], w)
                         for i in range(0, x.shape[0], self.rows)])[:n]
 
-    def _padded(self, x: torch.Tensor) -> torch.Tensor:
-        pad = -x.shape[0] % self.rows
-        return x if pad == 0 else F.pad(x, (0, 0, 0, pad))  # zero rows below: one kernel
+    def _padded(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+        """x with zero rows below, to `rows` (default: the next whole chunk); one kernel, none if already there."""
+        pad = (-x.shape[0] % self.rows) if rows is None else rows - x.shape[0]
+        return x if pad == 0 else F.pad(x, (0, 0, 0, pad))
 
 
 def _joined(chunks: list[torch.Tensor]) -> torch.Tensor:

@@ -134,8 +134,12 @@ class LlamaModel:
             linear_kernel = "dense-nt"
         self.linear = choose_linear(self.device, self.dtype, linear_kernel)
         self.batch_invariant = batch_invariant
+        # Batch-invariant: the residual stream runs padded to whole product chunks through the layers, so
+        # that only the attention's output needs padding (one kernel a layer, not six; a graphed decode
+        # step is mostly launches).
+        self.pad_rows = rows_for(self.device) if batch_invariant else 0
         if batch_invariant:
-            self.linear = FixedRowsLinear(self.linear, rows_for(self.device))
+            self.linear = FixedRowsLinear(self.linear, self.pad_rows)
         self.head_token_ids = head_token_ids
         self.weights = load_weights(path, cfg, self.dtype, self.device, self.linear, head_token_ids)
         self.cache = SlotKVCache(
@@ -325,16 +329,20 @@ class LlamaModel:
         return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype) * weight
 
     def _layers(self, x: torch.Tensor, batch: _Batch) -> torch.Tensor:
+        tokens = x.shape[0]
+        if self.pad_rows:  # zero rows: no real row reads them (products are row by row, attention drops them)
+            x = F.pad(x, (0, 0, 0, -tokens % self.pad_rows))
         for index, layer in enumerate(self.weights.layers):
             x = self._attention(x, layer, index, batch)
             x = self._mlp(x, layer)
-        return x
+        return x[:tokens]
 
     def _attention(self, x: torch.Tensor, w: LayerWeights, index: int, b: _Batch) -> torch.Tensor:
         cfg = self.config
         heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h = self._norm(x, w.attn_norm)
-        qkv = self.linear(h, w.wqkv, w.bqkv).view(-1, heads + 2 * kv_heads, head_dim)  # [B * T, H + 2 KV, D]
+        qkv = self.linear(h, w.wqkv, w.bqkv)[: b.tokens.shape[0]]  # the real tokens (pad_rows)
+        qkv = qkv.view(-1, heads + 2 * kv_heads, head_dim)  # [B * T, H + 2 KV, D]
         # RoPE on q and k in one go; rotate_half(x) = roll(x, D/2) with the sign folded into sin.
         qk = qkv[:, : heads + kv_heads]
         qk = qk * b.cos + qk.roll(head_dim // 2, dims=-1) * b.sin  # [B * T, H + KV, D]
