@@ -48,6 +48,7 @@ class DraftServiceSettings:
     cuda_graphs: bool | None = None  # None: on for a CUDA device
     compile_layers: bool = False  # torch.compile the CUDA-graph layers (specdec.models.compiled_layers)
     batch_invariant: bool = False  # every row computes what it computes alone (specdec.models.batch_invariant)
+    batch_invariant_rows: int | None = None  # its product chunk; None: the device's default
     graph_warmup_context: int = service.GRAPH_WARMUP_CONTEXT  # CUDA-graph shapes captured at startup
     num_slots: int = 8
     max_context: int | None = None
@@ -70,7 +71,8 @@ class DraftServiceSettings:
         if self.proposer == "draft-model" and not self.model:
             raise ConfigError("--proposer draft-model needs --model NAME_OR_DIR (or use --proposer ngram)")
         service.check_model_settings(self.num_slots, self.max_context, self.session_ttl_s,
-                                     self.batch_invariant, self.compile_layers, self.backend)
+                                     self.batch_invariant, self.compile_layers, self.backend,
+                                     self.batch_invariant_rows)
         if self.top_m < 0:
             raise ConfigError(f"--top-m must be >= 0 (0 = the full distribution), got {self.top_m}")
         if not 0.0 <= self.copy_below <= 1.0:  # also refuses NaN
@@ -152,7 +154,8 @@ def build_engine(settings: DraftServiceSettings):
                            num_slots=settings.num_slots, max_context=settings.max_context, name=settings.model,
                            head_vocab=settings.head_vocab, cuda_graphs=settings.cuda_graphs,
                            compile_layers=settings.compile_layers, graph_warmup_context=settings.graph_warmup_context,
-                           fused_decode=True, batch_invariant=settings.batch_invariant)
+                           fused_decode=True, batch_invariant=settings.batch_invariant,
+                           batch_invariant_rows=settings.batch_invariant_rows)
         proposer = DraftModelProposer(model, top_m=settings.top_m, copy=CopyRule(settings.copy_below))
         info, top_m = model.info, settings.top_m
     engine = DraftEngine(proposer, idle_ttl_s=settings.session_ttl_s, max_draft_tokens=settings.max_draft_tokens)

@@ -91,7 +91,7 @@ def use(model: LlamaModel, variant) -> None:
 BASE: dict[int, tuple] = {}  # id(model) -> (its linear kernel, False, 0), the short form's mode
 
 
-def invariant_variants(model: LlamaModel, capture: bool) -> dict:
+def invariant_variants(model: LlamaModel, capture: bool, names) -> dict:
     """--batch-invariant and its parts, each over its own graph captures: inv-R, products on chunks of R
     rows with the residual stream padded once per forward (R = 64: the shipped mode); inv64-per-product,
     each product padding its own input (round 42's code); inv64-linear, the products alone (attention as
@@ -100,8 +100,9 @@ def invariant_variants(model: LlamaModel, capture: bool) -> dict:
     from specdec.models.cuda_graphs import GraphRunner
 
     base = BASE[id(model)][0]
+    chunks = sorted({64} | {int(n[len("graphs-inv"):]) for n in names if n[len("graphs-inv"):].isdigit()})
     out = {f"graphs-inv{rows}": (GraphRunner(model, capture=capture), True, True, FixedRowsLinear(base, rows), True, rows)
-           for rows in (16, 32, 64)}
+           for rows in chunks}
     out["graphs-inv64-per-product"] = (GraphRunner(model, capture=capture), True, True, FixedRowsLinear(base, 64), True, 0)
     out["graphs-inv64-linear"] = (GraphRunner(model, capture=capture), True, True, FixedRowsLinear(base, 64), False, 64)
     out["graphs-inv-attention"] = (GraphRunner(model, capture=capture), True, True, base, True, 0)
@@ -248,7 +249,7 @@ def run_model(spec: str, args) -> dict:
                 "graphs-cast-norm": (cast_runner, True, False), "eager": (None, True, True),
                 "graphs": (runner, True, True), "graphs-compiled": (compiled_runner, True, True)}
     if any(v.startswith("graphs-inv") for v in args.variants):
-        variants.update(invariant_variants(model, capture))
+        variants.update(invariant_variants(model, capture, args.variants))
     check = ("eager", "graphs") + tuple(v for v in ("graphs-compiled", "graphs-inv64") if v in args.variants)
     records = []
     time_shapes(model, slots, args, variants, gen, out, check, records)
@@ -320,11 +321,11 @@ def fp32_reference(path, device, args, contexts, records) -> dict:
 
 VARIANTS = ("eager-repeat-kv", "eager-cast-norm", "graphs-cast-norm", "eager", "graphs", "graphs-compiled",
             "eager-nt", "graphs-nt", "graphs-nt-compiled", "graphs-nt-compiled-cublas",
-            "graphs-nt-compiled-pdl", "graphs-inv16", "graphs-inv32", "graphs-inv64", "graphs-inv64-per-product",
+            "graphs-nt-compiled-pdl", "graphs-invR (any R)", "graphs-inv64-per-product",
             "graphs-inv64-linear", "graphs-inv-attention")
 
 
-EXPERIMENTS = ("graphs-nt-compiled-cublas", "graphs-nt-compiled-pdl") + VARIANTS[-6:]  # only when named
+EXPERIMENTS = ("graphs-nt-compiled-cublas", "graphs-nt-compiled-pdl") + VARIANTS[-4:]  # only when named
 
 
 def main() -> None:

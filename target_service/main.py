@@ -41,6 +41,7 @@ class TargetServiceSettings:
     cuda_graphs: bool | None = None  # None: on for a CUDA device
     compile_layers: bool = False  # torch.compile the CUDA-graph layers (specdec.models.compiled_layers)
     batch_invariant: bool = False  # every row computes what it computes alone (specdec.models.batch_invariant)
+    batch_invariant_rows: int | None = None  # its product chunk; None: the device's default
     graph_warmup_context: int = service.GRAPH_WARMUP_CONTEXT  # CUDA-graph shapes captured at startup
     num_slots: int = 8
     max_context: int | None = None  # None: the model's own limit (capped by the loader)
@@ -62,7 +63,8 @@ class TargetServiceSettings:
 
     def __post_init__(self) -> None:
         service.check_model_settings(self.num_slots, self.max_context, self.session_ttl_s,
-                                     self.batch_invariant, self.compile_layers, self.backend)
+                                     self.batch_invariant, self.compile_layers, self.backend,
+                                     self.batch_invariant_rows)
         if self.max_draft_tokens < 1:
             raise ConfigError(f"--max-draft-tokens must be >= 1, got {self.max_draft_tokens}")
         if not 0.0 <= self.trim_margin <= 10.0:  # also refuses NaN
@@ -147,6 +149,12 @@ async def serve_target(settings: TargetServiceSettings, engine, tokenizer, trace
     )
 
 
+def invariant_note(batch_invariant: bool, rows: int | None) -> str:
+    if not batch_invariant:
+        return ""
+    return ", batch-invariant" + (f", products of {rows} rows" if rows else "")
+
+
 def run(settings: TargetServiceSettings, adapt_inner_draft=None) -> int:
     """adapt_inner_draft(engine) -> engine: a benchmark's hook on the hosted draft (bench/replay_target)."""
     from specdec.engine.target import TargetEngine
@@ -155,11 +163,12 @@ def run(settings: TargetServiceSettings, adapt_inner_draft=None) -> int:
 
     model_dir = resolve_model(settings.model)
     log.info("loading target %s from %s (%s, %s, %s%s)", settings.model, model_dir, settings.backend,
-             settings.device, settings.dtype, ", batch-invariant" if settings.batch_invariant else "")
+             settings.device, settings.dtype, invariant_note(settings.batch_invariant, settings.batch_invariant_rows))
     model = load_model(model_dir, backend=settings.backend, device=settings.device, dtype=settings.dtype,
                        num_slots=settings.num_slots, max_context=settings.max_context, name=settings.model,
                        cuda_graphs=settings.cuda_graphs, compile_layers=settings.compile_layers,
-                       graph_warmup_context=settings.graph_warmup_context, batch_invariant=settings.batch_invariant)
+                       graph_warmup_context=settings.graph_warmup_context, batch_invariant=settings.batch_invariant,
+                       batch_invariant_rows=settings.batch_invariant_rows)
     if settings.test_fault:
         log.warning("TEST ONLY: verification is corrupted on purpose (--test-fault %s)", settings.test_fault)
     if settings.test_delay_ms > 0:

@@ -121,6 +121,19 @@ def test_a_row_computes_what_it_computes_alone(root, linear_kernel):
     assert batch_differences(model) == []
 
 
+@pytest.mark.parametrize("rows", [1, 3, 32])
+def test_any_chunk_size_keeps_rows_as_alone(root, rows):
+    """--batch-invariant-rows: a chunk of 1 row (each row its own product), one that splits every
+    verify, one wider than any step here: each fixed count gives every row its own result."""
+    model = LlamaModel(tiny_dir(root, "llama3"), num_slots=8, max_context=300, linear_kernel="dense",
+                       batch_invariant=True, batch_invariant_rows=rows)
+    assert model.pad_rows == rows and model.linear.rows == rows
+    for slot in range(8):
+        model.allocate()
+        model.forward([slot], [random_tokens(30 + 17 * slot, seed=slot)], [1])
+    assert batch_differences(model) == []
+
+
 def test_without_the_mode_rows_depend_on_their_batch_here(root):
     """The premise of the test above on this kind of machine (x86 CPU, float32): the plain kernels'
     rows do depend on the batch, so the test above checks the mode and not a lucky kernel."""
@@ -161,13 +174,32 @@ def test_the_mode_is_refused_with_compiled_layers_and_other_backends(root):
         TargetServiceSettings(server=ServerSettings(plaintext=True), model="m", batch_invariant=True, compile_layers=True)
     with pytest.raises(ConfigError, match="--batch-invariant needs --backend native"):
         TargetServiceSettings(server=ServerSettings(plaintext=True), model="m", batch_invariant=True, backend="hf")
+    with pytest.raises(ConfigError, match="--batch-invariant-rows needs --batch-invariant"):
+        TargetServiceSettings(server=ServerSettings(plaintext=True), model="m", batch_invariant_rows=160)
+    for rows in (0, 5000):
+        with pytest.raises(ConfigError, match=f"--batch-invariant-rows must be in 1..4096, got {rows}"):
+            TargetServiceSettings(server=ServerSettings(plaintext=True), model="m", batch_invariant=True,
+                                  batch_invariant_rows=rows)
 
 
 def test_the_flag_reaches_the_settings_and_model_info_travels(root):
     from target_service.main import build_parser, settings_from_args
 
     settings = settings_from_args(build_parser().parse_args(["--batch-invariant", "--plaintext"]))
-    assert settings.batch_invariant
+    assert settings.batch_invariant and settings.batch_invariant_rows is None
+    settings = settings_from_args(build_parser().parse_args(["--batch-invariant", "--batch-invariant-rows", "16",
+                                                             "--plaintext"]))
+    assert settings.batch_invariant_rows == 16
+    from draft_service.main import build_parser as draft_parser, settings_from_args as draft_settings
+
+    draft = draft_settings(draft_parser().parse_args(["--model", "m", "--batch-invariant", "--batch-invariant-rows=3",
+                                                        "--plaintext"]))
+    assert draft.batch_invariant and draft.batch_invariant_rows == 3
+    from specdec.bench.runner import BenchConfig
+
+    assert BenchConfig.batch_invariant_rows.fget(type("C", (), {"target_args": ("--batch-invariant-rows=160",)})) == 160
+    assert BenchConfig.batch_invariant_rows.fget(type("C", (), {"target_args": ("--batch-invariant-rows", "96")})) == 96
+    assert BenchConfig.batch_invariant_rows.fget(type("C", (), {"target_args": ("--batch-invariant",)})) is None
     assert not settings_from_args(build_parser().parse_args(["--plaintext"])).batch_invariant
     info = probe_model(tiny_dir(root, "llama3"), True, "dense").info
     assert model_info_from_proto(model_info_to_proto(info)).batch_invariant

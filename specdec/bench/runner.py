@@ -80,6 +80,17 @@ class BenchConfig:
         """--target-arg=--batch-invariant: the target computes every row as alone (no near-ties)."""
         return "--batch-invariant" in self.target_args
 
+    @property
+    def batch_invariant_rows(self) -> int | None:
+        """--target-arg=--batch-invariant-rows=N (or the flag and N as two --target-arg): its chunk."""
+        args = list(self.target_args)
+        for i, arg in enumerate(args):
+            if arg.startswith("--batch-invariant-rows="):
+                return int(arg.partition("=")[2])
+            if arg == "--batch-invariant-rows" and i + 1 < len(args):
+                return int(args[i + 1])
+        return None
+
 
 @dataclass
 class Collected:
@@ -183,7 +194,8 @@ class Bench:
         # The in-process target (references, the replay proposer's greedy tokens, timings) computes as
         # the target service does: with --target-arg=--batch-invariant its bf16 tokens are those.
         self.inproc_models = {"target": load(self.target_dir, c.device,
-                                             batch_invariant=c.batch_invariant_target)}
+                                             batch_invariant=c.batch_invariant_target,
+                                             batch_invariant_rows=c.batch_invariant_rows)}
         target = TargetEngine(self.inproc_models["target"])
         drafts = {"ngram": DraftEngine(NgramProposer())}
         if self.draft_dir is not None:

@@ -97,7 +97,8 @@ class LlamaModel:
     batch_invariant: every row of a forward computes exactly what it computes alone, whatever else
     the step holds (batch_invariant.py): every product on chunks of a fixed row count, and on CUDA one
     attention kernel for every step. Not with compile_layers (inductor picks kernels per shape); the
-    fused CPU loop is not used.
+    fused CPU loop is not used. batch_invariant_rows: the rows of a product chunk (None: rows_for(device)).
+    Any fixed count is invariant; it trades a narrow step's padding against a wide step's weight reads.
     """
 
     def __init__(
@@ -116,6 +117,7 @@ class LlamaModel:
         graph_warmup_context: int = 0,
         fused_decode: bool = False,
         batch_invariant: bool = False,
+        batch_invariant_rows: int | None = None,
     ):
         if dtype not in DTYPES:
             raise InvalidArgument(f"dtype {dtype!r} is not supported; choose one of {sorted(DTYPES)}")
@@ -137,7 +139,7 @@ class LlamaModel:
         # Batch-invariant: the residual stream runs padded to whole product chunks through the layers, so
         # that only the attention's output needs padding (one kernel a layer, not six; a graphed decode
         # step is mostly launches).
-        self.pad_rows = rows_for(self.device) if batch_invariant else 0
+        self.pad_rows = (batch_invariant_rows or rows_for(self.device)) if batch_invariant else 0
         if batch_invariant:
             self.linear = FixedRowsLinear(self.linear, self.pad_rows)
         self.head_token_ids = head_token_ids

@@ -60,6 +60,9 @@ def add_model_arguments(group: Any, *, num_slots_help: str) -> None:
                             "batched step holds (native backend; fixed-shape products, one attention kernel): "
                             "half-precision output then equals plain decoding token for token, at some cost "
                             "in wide steps (specdec/models/batch_invariant.py)")
+    group.add_argument("--batch-invariant-rows", type=int, default=None, metavar="ROWS",
+                       help="with --batch-invariant: the rows of every product chunk (default 64 on a GPU, 8 on "
+                            "a CPU); more makes wide steps cheaper and one-row steps dearer (docs/DEPLOYMENT.md)")
     group.add_argument("--num-slots", type=int, default=8, help=num_slots_help)
     group.add_argument("--max-context", type=int, default=None, help="tokens per session (default: the model's)")
     group.add_argument("--session-ttl", type=float, default=600.0, help="seconds before an idle session expires")
@@ -71,7 +74,7 @@ def model_settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The add_model_arguments flags as keyword arguments of a service's settings."""
     return {"backend": args.backend, "device": args.device, "dtype": args.dtype, "num_slots": args.num_slots,
             "cuda_graphs": cuda_graphs_flag(args.cuda_graphs), "compile_layers": args.compile_layers,
-            "batch_invariant": args.batch_invariant,
+            "batch_invariant": args.batch_invariant, "batch_invariant_rows": args.batch_invariant_rows,
             "graph_warmup_context": graph_warmup_context(args.graph_warmup_context, args.compile_layers),
             "max_context": args.max_context, "session_ttl_s": args.session_ttl, "ready_file": args.ready_file}
 
@@ -124,8 +127,13 @@ def cuda_graphs_flag(value: str | None) -> bool | None:
 
 
 def check_model_settings(num_slots: int, max_context: int | None, session_ttl_s: float,
-                         batch_invariant: bool = False, compile_layers: bool = False, backend: str = "native") -> None:
+                         batch_invariant: bool = False, compile_layers: bool = False, backend: str = "native",
+                         batch_invariant_rows: int | None = None) -> None:
     """ConfigError, naming the flag, for values no model service can run with."""
+    if batch_invariant_rows is not None and not batch_invariant:
+        raise ConfigError("--batch-invariant-rows needs --batch-invariant (it sizes that mode's product chunks)")
+    if batch_invariant_rows is not None and not 1 <= batch_invariant_rows <= 4096:
+        raise ConfigError(f"--batch-invariant-rows must be in 1..4096, got {batch_invariant_rows}")
     if batch_invariant and compile_layers:
         raise ConfigError("--batch-invariant cannot be combined with --compile-layers: compiled layers pick "
                           "their kernels per step shape, so a row's result would depend on its batch")
