@@ -68,7 +68,7 @@ def test_a_residual_padded_ahead_keeps_its_rows_and_x_is_padded_to_it():
 def test_rows_per_product_must_be_positive():
     with pytest.raises(ValueError, match="rows per product must be >= 1"):
         FixedRowsLinear(DenseLinear(), 0)
-    assert rows_for(torch.device("cpu")) == 8 and rows_for(torch.device("cuda", 0)) == 64
+    assert rows_for(torch.device("cpu")) == 8 and rows_for(torch.device("cuda", 0)) == 160
 
 
 def step_logits(model: LlamaModel, slots, rows) -> list[torch.Tensor]:

@@ -12,8 +12,9 @@ FixedRowsLinear runs every product on chunks of exactly `rows` rows, the last ch
 rows, so every call has one shape whatever the step holds: cuBLAS is deterministic for a given shape,
 layout and device, and each output row of a product depends only on its own input row. The price is
 the padding (a one-row decode multiplies `rows` rows) and one more read of the weights for each
-further chunk of a wide step. On a GPU a product of a few dozen rows is memory-bound, as cheap as one
-row, so a chunk holds 64; on a CPU every row costs compute, so 8.
+further chunk of a wide step. Any fixed count is invariant, so the count is a price only: on a GPU a
+product of up to a few hundred rows is memory-bound, so a chunk holds 160; on a CPU every row costs
+compute, so 8 (--batch-invariant-rows sets another).
 
 On a CPU in float32 the native backend's kernels are not row-invariant either: MKL's product of 4 or
 more rows rounds differently from its one-row product, and the one-thread hybrid kernel sends one row
@@ -26,9 +27,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# Rows per product chunk, by device type. On a GPU a step of up to 64 tokens (16 sessions' decodes, or 8
-# sessions' verifies of 7 drafted tokens) is one chunk; wider steps read the weights once per chunk.
-ROWS = {"cuda": 64, "cpu": 8}
+# Rows per product chunk, by device type. On a GPU a step of up to 160 tokens (16 sessions' verifies of 9,
+# 32 sessions' of 5) is one chunk; wider steps read the weights once per chunk. Measured on an H200 with the
+# 8B model's shapes against chunks of 16-256 (scripts/bench_gpu_step.py, docs/BENCHMARKS.md round 43):
+# against 64, a one-row decode costs 11% more, verifies of 16 x 5 / 16 x 9 / 32 x 5 tokens 21-35% less,
+# and at 16 sessions the service decoded 8-10% more tokens a second (128 rows: a slower cuBLAS kernel).
+ROWS = {"cuda": 160, "cpu": 8}
 
 
 def rows_for(device: torch.device) -> int:

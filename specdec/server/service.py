@@ -61,7 +61,7 @@ def add_model_arguments(group: Any, *, num_slots_help: str) -> None:
                             "half-precision output then equals plain decoding token for token, at some cost "
                             "in wide steps (specdec/models/batch_invariant.py)")
     group.add_argument("--batch-invariant-rows", type=int, default=None, metavar="ROWS",
-                       help="with --batch-invariant: the rows of every product chunk (default 64 on a GPU, 8 on "
+                       help="with --batch-invariant: the rows of every product chunk (default 160 on a GPU, 8 on "
                             "a CPU); more makes wide steps cheaper and one-row steps dearer (docs/DEPLOYMENT.md)")
     group.add_argument("--num-slots", type=int, default=8, help=num_slots_help)
     group.add_argument("--max-context", type=int, default=None, help="tokens per session (default: the model's)")
