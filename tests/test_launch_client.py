@@ -45,7 +45,8 @@ def models(tmp_path_factory):
     return tiny_model_dir(base, "target", seed=0), tiny_model_dir(base, "draft-random", seed=1)
 
 
-@pytest.mark.parametrize("placement, extra", [("service", []), ("target", []), ("service", ["--batch-invariant"])],
+@pytest.mark.parametrize("placement, extra", [("service", []), ("target", []),
+                                              ("service", ["--batch-invariant", "--batch-invariant-rows", "3"])],
                          ids=["service", "target", "batch-invariant"])
 def test_launch_with_prompt_prints_the_plain_decoding_answer(models, placement, extra, tmp_path):
     """The draft model as a service of its own, or hosted by the target (--draft-placement target);
@@ -64,7 +65,14 @@ def test_launch_with_prompt_prints_the_plain_decoding_answer(models, placement, 
     proposer = {"service": "draft-model", "target": "draft-model-target"}[placement]
     assert answer["stats"]["proposer"] == proposer and answer["stats"]["cycles"] > 0
     target_log = "".join(p.read_text() for p in tmp_path.glob("target_service*.log"))
-    assert ("batch-invariant" in target_log) == bool(extra), target_log[-2000:]
+    assert ("batch-invariant, products of 3 rows" in target_log) == bool(extra), target_log[-2000:]
+
+
+def test_launch_refuses_a_chunk_size_without_the_mode(tmp_path):
+    result = subprocess.run(specdec_cmd("launch", "--batch-invariant-rows", "16", "--prompt", PROMPT),
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "--batch-invariant-rows needs --batch-invariant" in result.stderr
 
 
 @pytest.fixture(scope="module")

@@ -56,12 +56,21 @@ def machine() -> dict:
 
 
 def commit() -> dict:
+    return {"commit": _git("rev-parse", "HEAD"), "branch": _git("rev-parse", "--abbrev-ref", "HEAD"),
+            **tree_changes(_git("status", "--porcelain", "--untracked-files=no"))}
+
+
+def tree_changes(porcelain: str) -> dict:
+    """What in the working tree differs from the commit, from `git status --porcelain`: the changed
+    files, and the deleted ones apart, those under docs/ only counted (a GPU machine's copy of the tree
+    leaves the reports out to fit its transfer limit, and they cannot change a run)."""
     # Split on the status letters, not at column 3: _git strips the output, which eats the first
     # line's leading blank (" M path" became "M path", and its path lost a letter).
-    changed = [line.split(maxsplit=1)[1] for line in _git("status", "--porcelain", "--untracked-files=no").splitlines()
-               if line.strip()]
-    return {"commit": _git("rev-parse", "HEAD"), "branch": _git("rev-parse", "--abbrev-ref", "HEAD"),
-            "modified_tracked_files": changed}
+    entries = [line.split(maxsplit=1) for line in porcelain.splitlines() if line.strip()]
+    deleted = [path for status, path in entries if "D" in status]
+    return {"modified_tracked_files": [path for status, path in entries if "D" not in status],
+            "deleted_tracked_files": [path for path in deleted if not path.startswith("docs/")],
+            "deleted_docs_files": sum(path.startswith("docs/") for path in deleted)}
 
 
 def model_facts(directory: Path | None) -> dict | None:

@@ -40,6 +40,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--batch-invariant", action="store_true",
                         help="the target computes every row of a batched step as it would alone: exact output "
                              "in half precision, at a cost (docs/DEPLOYMENT.md)")
+    parser.add_argument("--batch-invariant-rows", type=int, metavar="ROWS",
+                        help="with --batch-invariant: the rows of its product chunks (default 160 on a GPU, 8 on a CPU)")
     parser.add_argument("--num-draft-tokens", "-k", type=int, default=4)
     parser.add_argument("--pipelining", choices=["on", "off", "auto"], default="auto",
                         help="the coordinator's --pipelining: draft the next block during verification "
@@ -75,6 +77,9 @@ def run(args: argparse.Namespace) -> int:
     from specdec.processes import launch, stop_all, wait_all
     from specdec.store import EmbeddedRedis
 
+    if args.batch_invariant_rows is not None and not args.batch_invariant:
+        raise SystemExit("specdec launch: --batch-invariant-rows needs --batch-invariant (it sizes that mode's "
+                         "product chunks)")
     draft = args.draft or default_draft()
     target_dir = resolve_model(args.target)  # fetch once here, with progress, not inside the service
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="specdec-launch-"))
@@ -87,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
         target_cli = ["--host", "127.0.0.1", "--plaintext", "--model", str(target_dir), *model_args(args)]
         if args.batch_invariant:
             target_cli.append("--batch-invariant")
+        if args.batch_invariant_rows is not None:  # checked by the target (range), and above (the mode)
+            target_cli += ["--batch-invariant-rows", str(args.batch_invariant_rows)]
         if inner and draft != "ngram":  # the target hosts the draft model
             target_cli += ["--inner-draft", str(resolve_model(draft))]
         target = launch("target_service", target_cli, log_dir=log_dir)

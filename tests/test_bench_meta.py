@@ -1,0 +1,17 @@
+"""The benchmark report's record of the working tree (specdec/bench/meta.py)."""
+
+from specdec.bench.meta import tree_changes
+
+
+def test_deleted_reports_are_counted_and_changed_code_is_listed():
+    # _git strips its output, so the first line's leading blank is gone ("M path", not " M path").
+    porcelain = "\n".join(["M specdec/models/llama.py", " D docs/bench/a.json", " D docs/bench/b.json",
+                           " D specdec/data/drafts/x/model.safetensors", "MM tests/test_x.py", "A  new.py"])
+    changes = tree_changes(porcelain)
+    assert changes["modified_tracked_files"] == ["specdec/models/llama.py", "tests/test_x.py", "new.py"]
+    assert changes["deleted_tracked_files"] == ["specdec/data/drafts/x/model.safetensors"]
+    assert changes["deleted_docs_files"] == 2
+
+
+def test_a_clean_tree_has_no_changes():
+    assert tree_changes("") == {"modified_tracked_files": [], "deleted_tracked_files": [], "deleted_docs_files": 0}
