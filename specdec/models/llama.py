@@ -343,7 +343,9 @@ class LlamaModel:
         cfg = self.config
         heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h = self._norm(x, w.attn_norm)
-        qkv = self.linear(h, w.wqkv, w.bqkv)[: b.tokens.shape[0]]  # the real tokens (pad_rows)
+        qkv = self.linear(h, w.wqkv, w.bqkv)
+        if self.pad_rows:  # the real tokens on (the padding rows of the stream stop here)
+            qkv = qkv[: b.tokens.shape[0]]
         qkv = qkv.view(-1, heads + 2 * kv_heads, head_dim)  # [B * T, H + 2 KV, D]
         # RoPE on q and k in one go; rotate_half(x) = roll(x, D/2) with the sign folded into sin.
         qk = qkv[:, : heads + kv_heads]
