@@ -9,10 +9,7 @@ DRAFT=${DRAFT:-h256-l3-i768-kv2}
 GEN_EXTRA=${GEN_EXTRA:-}
 TRAIN_ARGS=${TRAIN_ARGS:---batch-tokens 32768 --max-len 1280 --eval-every 300 --save-every 1000 --log-every 20 --warmup-steps 100}
 source "$(dirname "$0")/setup.sh"  # environment, stage(), GB/GT, the exported target; cd $W
-stage generate-data in background
-if [ ! -f $W/gen.done ]; then
-  (python3 -m specdec.distill generate-data --target $W/target --out $W/data --first-chunk 3 --chunks 400 --prompts-per-chunk 8192 --batch-size $GB --max-batch-tokens $GT --time-budget $GEN_S --device $DEV $GEN_EXTRA > $W/gen.log 2>&1; touch $W/gen.done) &
-fi
+generate_in_background --first-chunk 3 --chunks 400 --prompts-per-chunk 8192 $GEN_EXTRA
 stage train
 [ -f $W/train.done ] || { python3 -m specdec.distill train --target $W/target --data $W/data --reload-data --out $W/run2 --draft $DRAFT --eval $W/eval.npz --max-steps 0 --time-budget $TRAIN_S --device $DEV $TRAIN_ARGS && touch $W/train.done; } || exit 1
 stage evaluate

@@ -13,12 +13,8 @@ INIT=${INIT:-$W/code/specdec/data/drafts/smollm2-135m-draft}
 GEN_ARGS=${GEN_ARGS:---first-chunk 100 --chunks 400 --prompts-per-chunk 4096 --passage-fraction 0.6 --summary-passages 3}
 TRAIN_ARGS=${TRAIN_ARGS:---lr 1e-3 --warmup-steps 50 --batch-tokens 32768 --max-len 1280 --eval-every 300 --save-every 500 --log-every 20}
 source "$(dirname "$0")/setup.sh"  # environment, stage(), GB/GT, the exported target; cd $W
-stage make-eval
-[ -f $W/eval.npz ] || python3 -m specdec.distill make-eval --target $W/target --prompts $W/dev.jsonl --out $W/eval.npz --max-new-tokens 256 --dtype float32 || exit 1
-stage generate-data in background
-if [ ! -f $W/gen.done ]; then
-  (python3 -m specdec.distill generate-data --target $W/target --out $W/data $GEN_ARGS --batch-size $GB --max-batch-tokens $GT --time-budget $GEN_S --device $DEV > $W/gen.log 2>&1; touch $W/gen.done) &
-fi
+make_eval || exit 1
+generate_in_background $GEN_ARGS
 stage train
 [ -f $W/train.done ] || { python3 -m specdec.distill train --target $W/target --data $W/data --reload-data --out $W/run3 --draft $DRAFT --init-from $INIT --eval $W/eval.npz --max-steps 0 --time-budget $TRAIN_S --device $DEV $TRAIN_ARGS && touch $W/train.done; } || exit 1
 stage evaluate
