@@ -85,10 +85,8 @@ def use(model: LlamaModel, variant) -> None:
     """variant: (graph runner, grouped queries, fused norm[, linear kernel, batch-invariant attention,
     rows the residual stream is padded to]); the short form is the model's own linear, not invariant."""
     model.graphs, model.group_queries, model.fuse_norm = variant[:3]
-    model.linear, model.batch_invariant, model.pad_rows = variant[3:] if len(variant) > 3 else BASE[id(model)]
-
-
-BASE: dict[int, tuple] = {}  # id(model) -> (its linear kernel, False, 0), the short form's mode
+    own = getattr(model.linear, "inner", model.linear)  # the model's own kernel, under a FixedRowsLinear or not
+    model.linear, model.batch_invariant, model.pad_rows = variant[3:] if len(variant) > 3 else (own, False, 0)
 
 
 def invariant_variants(model: LlamaModel, capture: bool, names) -> dict:
@@ -99,7 +97,7 @@ def invariant_variants(model: LlamaModel, capture: bool, names) -> dict:
     from specdec.models.batch_invariant import FixedRowsLinear
     from specdec.models.cuda_graphs import GraphRunner
 
-    base = BASE[id(model)][0]
+    base = getattr(model.linear, "inner", model.linear)
     chunks = sorted({64} | {int(n[len("graphs-inv"):]) for n in names if n[len("graphs-inv"):].isdigit()})
     out = {f"graphs-inv{rows}": (GraphRunner(model, capture=capture), True, True, FixedRowsLinear(base, rows), True, rows)
            for rows in chunks}
@@ -225,7 +223,6 @@ def run_model(spec: str, args) -> dict:
     model = LlamaModel(path, device=device, dtype=args.dtype, num_slots=max_rows, max_context=args.max_context,
                        cuda_graphs=True, linear_kernel=args.linear_kernel)
     runner = model.graphs
-    BASE[id(model)] = (model.linear, False, 0)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     slots = [model.allocate() for _ in range(max_rows)]
@@ -260,7 +257,6 @@ def run_model(spec: str, args) -> dict:
         for old in (runner, cast_runner, compiled_runner):
             old.forwards.clear()  # the captured graphs read the old weight addresses
         to_nt(model)
-        BASE[id(model)] = (model.linear, False, 0)
         nt_runner = GraphRunner(model, capture=capture)
         nt_compiled = GraphRunner(model, capture=capture, compile_layers=True)
         if args.compile_options:  # inductor options over COMPILE_OPTIONS, for this variant only

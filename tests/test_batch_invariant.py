@@ -197,9 +197,11 @@ def test_the_flag_reaches_the_settings_and_model_info_travels(root):
     assert draft.batch_invariant and draft.batch_invariant_rows == 3
     from specdec.bench.runner import BenchConfig
 
-    assert BenchConfig.batch_invariant_rows.fget(type("C", (), {"target_args": ("--batch-invariant-rows=160",)})) == 160
-    assert BenchConfig.batch_invariant_rows.fget(type("C", (), {"target_args": ("--batch-invariant-rows", "96")})) == 96
-    assert BenchConfig.batch_invariant_rows.fget(type("C", (), {"target_args": ("--batch-invariant",)})) is None
+    bench = lambda *target_args: BenchConfig(target="m", target_args=target_args)  # noqa: E731
+    assert bench("--batch-invariant", "--batch-invariant-rows=160").batch_invariant_rows == 160
+    assert bench("--batch-invariant-rows", "96").batch_invariant_rows == 96
+    assert bench("--batch-invariant").batch_invariant_rows is None
+    assert bench("--batch-invariant").batch_invariant_target and not bench("--num-slots=4").batch_invariant_target
     assert not settings_from_args(build_parser().parse_args(["--plaintext"])).batch_invariant
     info = probe_model(tiny_dir(root, "llama3"), True, "dense").info
     assert model_info_from_proto(model_info_to_proto(info)).batch_invariant

@@ -76,20 +76,21 @@ class BenchConfig:
     coordinator_args: tuple[str, ...] = ()  # extra flags for every coordinator (--coordinator-arg)
 
     @property
+    def target_flags(self):
+        """The --target-arg flags as the target service itself parses them (the rest left alone)."""
+        from target_service.main import build_parser
+
+        return build_parser().parse_known_args(list(self.target_args))[0]
+
+    @property
     def batch_invariant_target(self) -> bool:
         """--target-arg=--batch-invariant: the target computes every row as alone (no near-ties)."""
-        return "--batch-invariant" in self.target_args
+        return self.target_flags.batch_invariant
 
     @property
     def batch_invariant_rows(self) -> int | None:
-        """--target-arg=--batch-invariant-rows=N (or the flag and N as two --target-arg): its chunk."""
-        args = list(self.target_args)
-        for i, arg in enumerate(args):
-            if arg.startswith("--batch-invariant-rows="):
-                return int(arg.partition("=")[2])
-            if arg == "--batch-invariant-rows" and i + 1 < len(args):
-                return int(args[i + 1])
-        return None
+        """--target-arg=--batch-invariant-rows=N: the mode's product chunk (None: the device's default)."""
+        return self.target_flags.batch_invariant_rows
 
 
 @dataclass

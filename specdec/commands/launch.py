@@ -77,9 +77,13 @@ def run(args: argparse.Namespace) -> int:
     from specdec.processes import launch, stop_all, wait_all
     from specdec.store import EmbeddedRedis
 
-    if args.batch_invariant_rows is not None and not args.batch_invariant:
-        raise SystemExit("specdec launch: --batch-invariant-rows needs --batch-invariant (it sizes that mode's "
-                         "product chunks)")
+    from specdec.server.service import check_batch_invariant_rows
+    from specdec.server.settings import ConfigError
+
+    try:  # before anything starts, as the target service would say it
+        check_batch_invariant_rows(args.batch_invariant, args.batch_invariant_rows)
+    except ConfigError as exc:
+        raise SystemExit(f"specdec launch: {exc}") from None
     draft = args.draft or default_draft()
     target_dir = resolve_model(args.target)  # fetch once here, with progress, not inside the service
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="specdec-launch-"))
@@ -92,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         target_cli = ["--host", "127.0.0.1", "--plaintext", "--model", str(target_dir), *model_args(args)]
         if args.batch_invariant:
             target_cli.append("--batch-invariant")
-        if args.batch_invariant_rows is not None:  # checked by the target (range), and above (the mode)
+        if args.batch_invariant_rows is not None:
             target_cli += ["--batch-invariant-rows", str(args.batch_invariant_rows)]
         if inner and draft != "ngram":  # the target hosts the draft model
             target_cli += ["--inner-draft", str(resolve_model(draft))]

@@ -126,14 +126,19 @@ def cuda_graphs_flag(value: str | None) -> bool | None:
     return None if value is None else value == "on"
 
 
+def check_batch_invariant_rows(batch_invariant: bool, rows: int | None) -> None:
+    """ConfigError for --batch-invariant-rows without the mode, or out of range (also `specdec launch`'s)."""
+    if rows is not None and not batch_invariant:
+        raise ConfigError("--batch-invariant-rows needs --batch-invariant (it sizes that mode's product chunks)")
+    if rows is not None and not 1 <= rows <= 4096:
+        raise ConfigError(f"--batch-invariant-rows must be in 1..4096, got {rows}")
+
+
 def check_model_settings(num_slots: int, max_context: int | None, session_ttl_s: float,
                          batch_invariant: bool = False, compile_layers: bool = False, backend: str = "native",
                          batch_invariant_rows: int | None = None) -> None:
     """ConfigError, naming the flag, for values no model service can run with."""
-    if batch_invariant_rows is not None and not batch_invariant:
-        raise ConfigError("--batch-invariant-rows needs --batch-invariant (it sizes that mode's product chunks)")
-    if batch_invariant_rows is not None and not 1 <= batch_invariant_rows <= 4096:
-        raise ConfigError(f"--batch-invariant-rows must be in 1..4096, got {batch_invariant_rows}")
+    check_batch_invariant_rows(batch_invariant, batch_invariant_rows)
     if batch_invariant and compile_layers:
         raise ConfigError("--batch-invariant cannot be combined with --compile-layers: compiled layers pick "
                           "their kernels per step shape, so a row's result would depend on its batch")
