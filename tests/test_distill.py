@@ -169,6 +169,26 @@ def test_training_is_deterministic_and_resumes(data_dir, tmp_path, target, token
     assert len(losses) == 4 and all(np.isfinite(losses))
 
 
+def test_reload_data_waits_for_the_generators_first_shard(data_dir, tmp_path, target, tokenizer):
+    """A trainer started beside generate-data (--reload-data) finds no shard yet: it waits, not fails."""
+    import shutil
+    import threading
+
+    late = tmp_path / "late"
+    late.mkdir()
+    first = sorted(data_dir.glob("shard-*.npz"))[0]
+    writer = threading.Timer(1.0, lambda: shutil.copy(first, late / first.name))
+    writer.start()
+    trainer = Trainer(_train_config(late, tmp_path / "waited", 1, reload_data=True), target, tokenizer)
+    writer.join()
+    assert len(trainer.train_records) + len(trainer.held_records) == len(load_shard(first))
+    with pytest.raises(FileNotFoundError, match="no shard"):  # without a generator, an empty directory is an error
+        Trainer(_train_config(tmp_path / "empty", tmp_path / "none", 1), target, tokenizer)
+    with pytest.raises(FileNotFoundError, match="no shard"):  # and the wait is bounded
+        Trainer(_train_config(tmp_path / "empty", tmp_path / "none", 1, reload_data=True, first_shard_wait_s=0.2),
+                target, tokenizer)
+
+
 def test_training_can_start_from_a_trained_draft(data_dir, tmp_path, target, tokenizer):
     first = tmp_path / "first"
     Trainer(_train_config(data_dir, first, 3, lr=1e-2), target, tokenizer).train()

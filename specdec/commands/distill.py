@@ -81,7 +81,8 @@ def add_subcommands(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--stop-at-step", type=int, default=0,
                    help="save and stop after this step; rerun with the same --out to continue the schedule")
     t.add_argument("--reload-data", action="store_true",
-                   help="rescan --data at each epoch (train while generate-data still writes shards)")
+                   help="rescan --data at each epoch (train while generate-data still writes shards); "
+                        "waits up to 15 minutes for the first shard")
     t.add_argument("--batch-tokens", type=int, default=16384)
     t.add_argument("--max-len", type=int, default=1024)
     t.add_argument("--lr", type=float, default=2e-3)

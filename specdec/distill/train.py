@@ -42,6 +42,7 @@ class TrainConfig:
     max_steps: int = 1000  # 0 with time_budget_s: the schedule runs on elapsed time instead of steps
     time_budget_s: float = 0.0
     reload_data: bool = False  # rescan data_dir at each epoch (a generator still writing shards)
+    first_shard_wait_s: float = 900.0  # with reload_data: how long to wait for the generator's first shard
     stop_at_step: int = 0  # save and stop after this step, keeping the schedule (split a run across sessions)
     init_from: str | None = None  # an HF draft directory to start from (same shape as the one draft trained)
     batch_tokens: int = 16384
@@ -155,6 +156,14 @@ class Trainer:
 
     def _load_data(self) -> None:
         records = load_dir(self.cfg.data_dir)
+        # A generator started beside the trainer (--reload-data) has written nothing yet: its first shard
+        # comes within minutes, and the wait is not charged to the time budget (that clock starts in train()).
+        deadline = time.monotonic() + (self.cfg.first_shard_wait_s if self.cfg.reload_data else 0.0)
+        if not records and time.monotonic() < deadline:
+            log.info("waiting up to %.0f s for the first shard in %s", self.cfg.first_shard_wait_s, self.cfg.data_dir)
+        while not records and time.monotonic() < deadline:
+            time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))
+            records = load_dir(self.cfg.data_dir)
         if not records:
             raise FileNotFoundError(f"no shard-*.npz files in {self.cfg.data_dir}")
         self.train_records, self.held_records = split_holdout(records, self.cfg.holdout_every)

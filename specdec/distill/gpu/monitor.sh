@@ -2,7 +2,8 @@
 # The scripts of the shipped draft's GPU run (docs/DISTILLATION.md), as run from the repository root
 # on a device machine; monitor.sh starts pipeline.sh (lease 1) or, with PIPE=pipeline2.sh, lease 2.
 # monitor.sh SECONDS MODE: (re)start the pipeline if needed, watch it, then copy results to $OUT.
-# MODE: logs | data | final
+# MODE: logs | data | final (RUN: the run directory; NAMES: the drafts to bring back; FLOAT8=1: their
+# float8 copies, written by pipeline4.sh, instead of the run's bf16 checkpoints)
 W=${W:-/tmp/w}
 DUR=$1; MODE=${2:-logs}
 end=$((SECONDS + DUR))
@@ -40,7 +41,8 @@ fi
 if [ "$MODE" = final ]; then
   cp $W/eval.npz $OUT/ 2>/dev/null
   for n in ${NAMES:-h256-l3-i768-kv2 h192-l6-i768-kv1}; do
-    [ -d $W/${RUN:-run}/$n ] && tar cf - -C $W ${RUN:-run}/$n $(cd $W && ls heads-$n.*.json 2>/dev/null) | split -b 15m -d - $OUT/$n.tar.part-
+    src=${RUN:-run}/$n; [ -n "$FLOAT8" ] && src=fp8-$n  # pipeline4.sh's float8 copies: half the bytes to bring back
+    [ -d $W/$src ] && tar cf - -C $W $src $(cd $W && ls heads-$n.*.json 2>/dev/null) | split -b 15m -d - $OUT/$n.tar.part-
   done
   ls -la $OUT
 fi
