@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from specdec.errors import InvalidArgument
 
 if TYPE_CHECKING:
-    from specdec.models.llama import LlamaModel, _Batch
+    from specdec.models.llama import LlamaModel
+    from specdec.models.llama_batch import ForwardBatch
 
 # Inductor settings for these pieces only (not global): tuned one-row reductions, no inductor graphs
 # (cuda_graphs.py captures the whole forward itself). Coordinate descent alone moves one field (block
@@ -139,7 +140,7 @@ class CompiledLayers:
             settings = dict(fullgraph=True, dynamic=False, options=COMPILE_OPTIONS if options is None else options)
             self.pieces = tuple(torch.compile(piece, **settings) for piece in self.pieces)
 
-    def __call__(self, x: torch.Tensor, b: "_Batch") -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, b: "ForwardBatch") -> torch.Tensor:
         """x [B * T, hidden] embeddings -> the last layer's output; b.mask [B, 1, T, L] bool."""
         m, cfg = self.model, self.model.config
         heads, kv_heads, eps = cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps

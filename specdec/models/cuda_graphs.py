@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from specdec.models.llama import host_indices
+from specdec.models.llama_batch import ForwardBatch, host_indices
 
 if TYPE_CHECKING:
     from specdec.models.llama import LlamaModel
@@ -68,7 +68,7 @@ class StaticForward:
 
     def __init__(self, model: "LlamaModel", shape: Shape, layers=None):
         self.model, self.shape = model, shape
-        self.layers = layers or model._layers  # (x [B * T, hidden], _Batch) -> x: the layer stack
+        self.layers = layers or model._layers  # (x [B * T, hidden], ForwardBatch) -> x: the layer stack
         B, T = shape.rows, shape.width
         kv_heads = model.config.num_kv_heads
         self.num_static = (2 + kv_heads) * B * T + B
@@ -85,12 +85,10 @@ class StaticForward:
 
     def run(self) -> torch.Tensor:
         """The forward over the static buffers: final-normed hidden states of every token [B * T, hidden]."""
-        from specdec.models.llama import _Batch
-
         m, s = self.model, self.shape
         positions = self.positions
         mask = (self.key_columns <= positions.view(s.rows, s.width, 1))[:, None]  # [B, 1, T, L]
-        batch = _Batch(
+        batch = ForwardBatch(
             num_rows=s.rows, width=s.width, key_len=s.key_len, tokens=self.tokens,
             cos=m._cos[positions][:, None], sin=m._sin[positions][:, None], write_index=self.write_index,
             slot_index=self.slot_index, first_slot=0, mask=mask, is_causal=False, logit_rows=None,

@@ -11,7 +11,7 @@ their keys/values into the cache's scratch column, which no mask ever admits.
 Activations are kept 2-D, [tokens, hidden], so every projection is one matmul (linear_kernels.py picks
 the kernel) and residual adds fuse into it. Only the rows whose logits were asked for go through the
 final norm and the lm_head: with a 49k vocabulary the lm_head is the largest single matmul of a small
-model. The per-forward index tensors (_Batch) are built once on the host and shared by all layers.
+model. The per-forward index tensors (llama_batch.ForwardBatch) are built once on the host and shared by all layers.
 With cuda_graphs, decode and verify shapes go through cuda_graphs.py instead: the same layers on
 static, bucketed shapes, replayed as CUDA graphs; anything else (prefills) runs here.
 """
@@ -22,11 +22,9 @@ import contextlib
 import logging
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -37,6 +35,7 @@ from specdec.models.base import ModelInfo
 from specdec.models.batch_invariant import FixedRowsLinear, rows_for
 from specdec.models.kv_cache import SlotKVCache
 from specdec.models.linear_kernels import choose_linear
+from specdec.models.llama_batch import ForwardBatch, plan_batch, rope_tables
 from specdec.models.llama_config import LlamaConfig
 from specdec.models.llama_weights import LayerWeights, load_weights
 from specdec.models.slot_attention import attention_in_place, attention_per_token, gather_slots, grouped_attention
@@ -44,35 +43,6 @@ from specdec.models.slot_attention import attention_in_place, attention_per_toke
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class _Batch:
-    """Index tensors describing one batched forward; built once, used by every layer."""
-
-    num_rows: int
-    width: int  # padded tokens per row (T)
-    key_len: int  # keys attended per row: the longest row's new length (L)
-    tokens: torch.Tensor  # [B * T] token ids, pads are 0
-    cos: torch.Tensor  # [B * T, 1, head_dim]
-    sin: torch.Tensor  # [B * T, 1, head_dim], sign of rotate-half folded in
-    write_index: torch.Tensor  # [B * T * kv_heads] flat index into a layer's [slots*kv_heads*(ctx+1), D]
-    slot_index: torch.Tensor | None  # [B] slots to gather; None when the rows are a contiguous slot range
-    first_slot: int
-    mask: torch.Tensor | None  # [B, 1, T, L] bool, True = attend; None when nothing needs masking
-    is_causal: bool  # a single fresh prefill: SDPA's own causal mask is exact
-    logit_rows: torch.Tensor | None  # [N] flat token indices whose logits are returned (None: all)
-    # Host-side, for attention slot by slot (attention_in_place): each row's slot and keys (start + length).
-    slots: tuple[int, ...] = ()
-    row_key_lens: tuple[int, ...] = ()
-    row_tokens: tuple[int, ...] = ()  # each row's own tokens (the rest of the width is padding)
-    # Rows of different lengths (a verify among decodes): the flat [B * T] positions of the real
-    # tokens [N]. Every per-token tensor above then holds the N real tokens only, and attention alone
-    # sees the padded [B, T] layout (see _attention). None: every row is T tokens long.
-    packed_index: torch.Tensor | None = None
-    # CPU decode and verify steps (cpu_attention.py): each query token's slot and key count, host-side.
-    query_slots: np.ndarray | None = None
-    query_key_lens: np.ndarray | None = None
 
 
 class LlamaModel:
@@ -149,7 +119,7 @@ class LlamaModel:
             num_slots=None if kv_budget_bytes else num_slots, budget_bytes=kv_budget_bytes,
             dtype=self.dtype, device=self.device,
         )
-        self._cos, self._sin = _rope_tables(cfg, max_context + 1, self.dtype, self.device)
+        self._cos, self._sin = rope_tables(cfg, max_context + 1, self.dtype, self.device)
         # Grouped-query attention as one query block per KV head (no repeated keys/values), so that
         # SDPA can take its memory-efficient kernel with a mask on CUDA; on CPU the measured kernels
         # stay as they are.
@@ -330,7 +300,7 @@ class LlamaModel:
         # precision rounds the same way.
         return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype) * weight
 
-    def _layers(self, x: torch.Tensor, batch: _Batch) -> torch.Tensor:
+    def _layers(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         tokens = x.shape[0]
         if self.pad_rows:  # zero rows: no real row reads them (products are row by row, attention drops them)
             x = F.pad(x, (0, 0, 0, -tokens % self.pad_rows))
@@ -339,7 +309,7 @@ class LlamaModel:
             x = self._mlp(x, layer)
         return x[:tokens]
 
-    def _attention(self, x: torch.Tensor, w: LayerWeights, index: int, b: _Batch) -> torch.Tensor:
+    def _attention(self, x: torch.Tensor, w: LayerWeights, index: int, b: ForwardBatch) -> torch.Tensor:
         cfg = self.config
         heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h = self._norm(x, w.attn_norm)
@@ -402,87 +372,12 @@ class LlamaModel:
     def _plan(
         self, slots: list[int], rows: Sequence[Sequence[int]], starts: list[int], lengths: list[int],
         num_logits: list[int],
-    ) -> _Batch:
-        B, T = len(rows), max(lengths)
-        tokens, positions, write_index, slot_t, logit_rows = host_indices(
-            slots, rows, starts, lengths, num_logits, B, T, self.config.num_kv_heads, self.cache.max_context)
-        key_len = max(s + n for s, n in zip(starts, lengths))
-        single_decode = B == 1 and T == 1
-        # Batch-invariant: every forward masks explicitly, so that on CUDA every token goes through the
-        # one kernel allowed (SDPA's causal flag and an unmasked decode may pick others).
-        fresh_prefill = B == 1 and starts[0] == 0 and not self.batch_invariant
-        mask = None
-        if not (single_decode or fresh_prefill) or self.batch_invariant:
-            mask = (torch.arange(key_len) <= positions[:, :, None])[:, None]  # [B, 1, T, L]
-        contiguous = slots == list(range(slots[0], slots[0] + B))
-        dev = self.device
-        tokens, positions, write_index = tokens.view(-1), positions.view(-1), write_index.view(B * T, -1)
-        logit_index = torch.tensor(logit_rows, dtype=torch.long)
-        packed = None
-        if sum(lengths) < B * T:
-            # Only the real tokens go through the projections and the MLP: padded, one verify of 5
-            # tokens among 15 decodes cost a CPU step 281 ms against 100 ms for the decodes alone
-            # (docs/BENCHMARKS.md, round 28). The cache's write index, rope tables and the logit rows
-            # follow the packing; attention runs row by row on each row's own tokens (in place, on a
-            # CPU) or scatters q into the padded layout and gathers the real tokens back.
-            real = (torch.arange(T) < torch.as_tensor(lengths)[:, None]).view(-1)  # [B * T]
-            packed = real.nonzero().squeeze(1)
-            tokens, positions, write_index = tokens[packed], positions[packed], write_index[packed]
-            logit_index = (real.cumsum(0) - 1)[logit_index]  # a real token's flat index -> its packed one
-        query_slots = query_key_lens = None
-        # Batch-invariant on a CPU: every token attends alone (the compiled loop, else SDPA token by
-        # token), so that no kernel tiles its queries by the step's width or threads.
-        if (self.compiled_attention and T <= cpu_attention.MAX_QUERY_TOKENS
-                and torch.get_num_threads() <= cpu_attention.MAX_THREADS) or (self.batch_invariant and dev.type == "cpu"):
-            query_slots, query_key_lens = cpu_attention.query_layout(slots, starts, lengths)
-        positions = positions.to(dev)
-        return _Batch(
-            num_rows=B, width=T, key_len=key_len, tokens=tokens.to(dev),
-            cos=self._cos[positions][:, None], sin=self._sin[positions][:, None],
-            write_index=write_index.reshape(-1).to(dev), slot_index=None if contiguous else slot_t.to(dev),
-            first_slot=slots[0], mask=None if mask is None else mask.to(dev),
-            is_causal=fresh_prefill and T > 1, logit_rows=logit_index.to(dev),
-            slots=tuple(slots), row_key_lens=tuple(s + n for s, n in zip(starts, lengths)), row_tokens=tuple(lengths),
-            packed_index=None if packed is None else packed.to(dev),
-            query_slots=query_slots, query_key_lens=query_key_lens,
-        )
-
-
-def host_indices(
-    slots: Sequence[int], rows: Sequence[Sequence[int]], starts: Sequence[int], lengths: Sequence[int],
-    num_logits: Sequence[int], num_rows: int, width: int, kv_heads: int, ctx: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
-    """The host-side indices of a forward over num_rows x width tokens (rows past len(rows) are padding:
-    token 0 at position 0 of slot 0, written to the scratch column like every pad). Returns tokens and
-    positions [num_rows, width], write_index [num_rows, width, kv_heads] (the flat index of (slot,
-    kv_head, column) in a layer's [slots, KV, ctx + 1, D] viewed as [-1, D]), the slots [num_rows] and
-    the flat indices of the tokens whose logits are returned."""
-    tokens = torch.zeros(num_rows, width, dtype=torch.long)
-    positions = torch.zeros(num_rows, width, dtype=torch.long)  # rope / mask position of every token
-    write_pos = torch.full((num_rows, width), ctx, dtype=torch.long)  # cache column; pads -> scratch column
-    logit_rows: list[int] = []
-    for i, (row, start, n, k) in enumerate(zip(rows, starts, lengths, num_logits)):
-        tokens[i, :n] = torch.as_tensor(row, dtype=torch.long)
-        positions[i] = torch.arange(start, start + width).clamp_(max=start + n - 1)
-        write_pos[i, :n] = positions[i, :n]
-        logit_rows.extend(range(i * width + n - k, i * width + n))
-    slot_t = torch.zeros(num_rows, dtype=torch.long)
-    slot_t[: len(slots)] = torch.as_tensor(slots, dtype=torch.long)
-    write_index = (slot_t[:, None, None] * kv_heads + torch.arange(kv_heads)) * (ctx + 1) + write_pos[:, :, None]
-    return tokens, positions, write_index, slot_t, logit_rows
+    ) -> ForwardBatch:
+        return plan_batch(slots, rows, starts, lengths, num_logits, kv_heads=self.config.num_kv_heads,
+                          max_context=self.cache.max_context, cos=self._cos, sin=self._sin, device=self.device,
+                          batch_invariant=self.batch_invariant, compiled_attention=self.compiled_attention)
 
 
 def default_max_context(max_position_embeddings: int) -> int:
     """Tokens per slot when the caller names none: the model's limit, capped so 8 slots fit in memory."""
     return min(max_position_embeddings, 2048)
-
-
-def _rope_tables(cfg: LlamaConfig, length: int, dtype: torch.dtype, device: torch.device):
-    """cos and sign-folded sin for positions 0..length-1: [length, head_dim] each."""
-    inv_freq = cfg.rope_inv_freq()  # [D / 2], float32
-    freqs = torch.arange(length, dtype=torch.float32)[:, None] * inv_freq  # [length, D / 2]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    half = cfg.head_dim // 2
-    # rotate_half(x) = cat(-x2, x1) = roll(x, half) * [-1] * half + [1] * half
-    sign = torch.cat((-torch.ones(half), torch.ones(half)))
-    return emb.cos().to(dtype).to(device), (emb.sin() * sign).to(dtype).to(device)

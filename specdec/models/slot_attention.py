@@ -1,7 +1,7 @@
 """Attention of the native backend's eager forwards over the slot KV cache, with PyTorch's SDPA.
 
 The cache is [slots, KV heads, ctx + 1, head_dim] per layer (kv_cache.py); a forward's rows attend to
-their own slots' first key_len columns under the mask the forward planned (llama._Batch).
+their own slots' first key_len columns under the mask the forward planned (llama_batch.ForwardBatch).
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from specdec.models.llama import _Batch
+    from specdec.models.llama_batch import ForwardBatch
 
 
-def gather_slots(cache: torch.Tensor, b: "_Batch") -> torch.Tensor:
+def gather_slots(cache: torch.Tensor, b: "ForwardBatch") -> torch.Tensor:
     """The first key_len columns of the batch's slots: [B, KV, L, D] (a view when the slots are a range)."""
     head = cache[:, :, : b.key_len]
     if b.slot_index is None:
@@ -24,7 +24,7 @@ def gather_slots(cache: torch.Tensor, b: "_Batch") -> torch.Tensor:
     return head.index_select(0, b.slot_index)
 
 
-def attention_in_place(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, b: "_Batch") -> torch.Tensor:
+def attention_in_place(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, b: "ForwardBatch") -> torch.Tensor:
     """Attention of q [tokens, H, D] (each row's T tokens, or with b.packed_index its own tokens only)
     row by row, each over its own slot's keys and values where the cache holds them ([slots, KV,
     ctx + 1, D]), up to the row's own length; returns [tokens, H * D]. On a CPU, gathering the
