@@ -158,12 +158,12 @@ class Trainer:
         records = load_dir(self.cfg.data_dir)
         # A generator started beside the trainer (--reload-data) has written nothing yet: its first shard
         # comes within minutes, and the wait is not charged to the time budget (that clock starts in train()).
-        deadline = time.monotonic() + (self.cfg.first_shard_wait_s if self.cfg.reload_data else 0.0)
-        if not records and time.monotonic() < deadline:
+        if not records and self.cfg.reload_data:
             log.info("waiting up to %.0f s for the first shard in %s", self.cfg.first_shard_wait_s, self.cfg.data_dir)
-        while not records and time.monotonic() < deadline:
-            time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))
-            records = load_dir(self.cfg.data_dir)
+            deadline = time.monotonic() + self.cfg.first_shard_wait_s
+            while not records and time.monotonic() < deadline:
+                time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))
+                records = load_dir(self.cfg.data_dir)
         if not records:
             raise FileNotFoundError(f"no shard-*.npz files in {self.cfg.data_dir}")
         self.train_records, self.held_records = split_holdout(records, self.cfg.holdout_every)

@@ -1,6 +1,6 @@
 #!/bin/bash
 # The scripts of the shipped draft's GPU run (docs/DISTILLATION.md), as run from the repository root
-# on a device machine; monitor.sh starts pipeline.sh (lease 1) or, with PIPE=pipeline2.sh, lease 2.
+# on a device machine; monitor.sh starts pipeline.sh (lease 1) or, with PIPE=pipelineN.sh, a later lease's.
 # monitor.sh SECONDS MODE: (re)start the pipeline if needed, watch it, then copy results to $OUT.
 # MODE: logs | data | final (RUN: the run directory; NAMES: the drafts to bring back; FLOAT8=1: their
 # float8 copies, written by pipeline4.sh, instead of the run's bf16 checkpoints)
