@@ -315,6 +315,8 @@ BAD_INPUT = [
     (dict(prompt="hi", max_new_tokens=65), Code.INVALID_ARGUMENT, "max_new_tokens must be in [1, 64]"),
     (dict(prompt="hi", sampling=common_pb2.SamplingParams(temperature=-0.5)), Code.INVALID_ARGUMENT,
      "temperature must be >= 0"),
+    (dict(prompt="hi", sampling=common_pb2.SamplingParams(temperature=float("inf"))), Code.INVALID_ARGUMENT,
+     "temperature must be >= 0 and finite"),
     (dict(prompt="hi", sampling=common_pb2.SamplingParams(top_p=0.0)), Code.INVALID_ARGUMENT, "top_p must be in (0, 1]"),
     (dict(prompt="hi", sampling=common_pb2.SamplingParams(top_p=1.5)), Code.INVALID_ARGUMENT, "top_p must be in (0, 1]"),
     (dict(prompt="hi", sampling=common_pb2.SamplingParams(top_k=-1)), Code.INVALID_ARGUMENT, "top_k must be >= 0"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 from specdec.errors import InvalidArgument
@@ -33,8 +34,9 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def validate(self) -> "SamplingParams":
-        if not self.temperature >= 0.0:  # also rejects NaN
-            raise InvalidArgument(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        # Also rejects NaN; and infinity, whose scaled logits are all 0 or NaN (a masked -inf / inf).
+        if not 0.0 <= self.temperature < math.inf:
+            raise InvalidArgument(f"temperature must be >= 0 and finite (0 = greedy), got {self.temperature}")
         if self.top_k < 0:
             raise InvalidArgument(f"top_k must be >= 0 (0 = disabled), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
