@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.sampling.params import SamplingParams
+from specdec.errors import InvalidArgument
+from specdec.sampling.params import MAX_TEMPERATURE, MIN_TEMPERATURE, SamplingParams
 from specdec.sampling.warp import greedy_token, warp_logits, warp_rows
 from sampling_helpers import single_torch_thread  # noqa: F401 (autouse fixture)
 
@@ -105,3 +106,15 @@ def test_rows_with_mixed_parameters_equal_one_row_at_a_time_bit_for_bit():
     together = warp_rows(logits, params)
     for row, row_params in enumerate(params):
         assert torch.equal(together[row], warp_logits(logits[row], row_params)), row_params
+
+
+def test_the_temperature_range_keeps_the_scaled_logits_finite():
+    """At both ends of the allowed range, large logits and masked (-inf) ones still give a distribution;
+    outside it the request is refused (the scaling is float32: 1e-300 rounds to 0 there)."""
+    logits = torch.tensor([[900.0, 899.0, -900.0, float("-inf")]])
+    for temperature in (MIN_TEMPERATURE, MAX_TEMPERATURE):
+        probs = warp_logits(logits, SamplingParams(temperature=temperature, top_k=3).validate())
+        assert torch.isfinite(probs).all() and probs[0, 3] == 0 and abs(float(probs.sum()) - 1) < 1e-6
+    for temperature in (-1.0, 1e-300, MIN_TEMPERATURE / 2, MAX_TEMPERATURE * 2, 1e300, float("inf"), float("nan")):
+        with pytest.raises(InvalidArgument, match="temperature must be >= 0 and finite"):
+            SamplingParams(temperature=temperature).validate()

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass
 
 from specdec.errors import InvalidArgument
+
+
+# Sampled temperatures: near 0 the distribution is already greedy's (use 0), past 1e4 already uniform.
+MIN_TEMPERATURE = 1e-4
+MAX_TEMPERATURE = 1e4
 
 
 class SamplingMode(enum.Enum):
@@ -34,9 +38,12 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def validate(self) -> "SamplingParams":
-        # Also rejects NaN; and infinity, whose scaled logits are all 0 or NaN (a masked -inf / inf).
-        if not 0.0 <= self.temperature < math.inf:
-            raise InvalidArgument(f"temperature must be >= 0 and finite (0 = greedy), got {self.temperature}")
+        # Also rejects NaN. The logits are scaled in float32 (warp.py): a tiny temperature overflows them
+        # to inf and softmax gives NaN (1e-300 rounds to 0 in float32), one beyond float32's range (1e300,
+        # inf) turns a masked -inf into NaN. The range keeps far from both.
+        if not (self.temperature == 0.0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE):
+            raise InvalidArgument(f"temperature must be >= 0 and finite: 0 (greedy) or in [{MIN_TEMPERATURE:g}, "
+                                  f"{MAX_TEMPERATURE:g}], got {self.temperature}")
         if self.top_k < 0:
             raise InvalidArgument(f"top_k must be >= 0 (0 = disabled), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
