@@ -9,6 +9,8 @@ import importlib
 import logging
 import sys
 
+from specdec.errors import InvalidArgument
+
 # Subcommand modules, in the order `specdec --help` lists them. A module that fails to import
 # (an optional extra missing) is reported when its command is used, not at every start.
 SUBCOMMANDS = ("generate", "serve", "launch", "client", "canary", "models", "distill", "bench", "ray")
@@ -42,7 +44,15 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except InvalidArgument as exc:
+        if args.verbose:
+            raise
+        # Bad input on the command line: the message names what was wrong and what is allowed, as the
+        # services' INVALID_ARGUMENT does; a traceback would only bury it (-v shows one).
+        print(f"specdec {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

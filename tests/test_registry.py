@@ -219,6 +219,14 @@ def test_models_command(default_target_dir, capsys):
     assert "unknown model 'no-such-model'" in capsys.readouterr().err
 
 
+def test_bad_input_on_the_command_line_is_one_line_not_a_traceback(capsys):
+    assert main(["generate", "hi", "--temperature", "1e-300"]) == 2  # refused before any model loads
+    err = capsys.readouterr().err
+    assert err.startswith("specdec generate: error: temperature must be >= 0") and "Traceback" not in err
+    assert main(["generate", "hi", "--target", "/no/such/dir"]) == 2
+    assert "specdec generate: error: unknown model '/no/such/dir'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("action", ["list", "fetch", "verify", "path"])
 def test_models_subcommand_help(action, capsys):
     with pytest.raises(SystemExit) as excinfo:
