@@ -264,6 +264,21 @@ def test_method_choice_reports_what_is_not_built_or_lacks_a_draft():
         choose_methods(["specdec-replay-target"], have_draft=True, replay_alphas=(0.6, 0.8))
 
 
+def test_refused_flags_are_one_line_errors_before_anything_starts(models, capsys):
+    from specdec.cli import main
+
+    target, draft = models
+    base = ["bench", "--target", str(target), "--draft", str(draft)]
+    assert main([*base, "--methods", "nonsense"]) == 2
+    assert capsys.readouterr().err.startswith("specdec bench: error: unknown methods ['nonsense']; known: plain")
+    assert main([*base, "--k-policy", "fixed:0"]) == 2
+    assert "a fixed draft length is an integer >= 1, got 'fixed:0'" in capsys.readouterr().err
+    for levels, message in (("0", "at least 1 session"), ("1,x", "comma-separated")):
+        with pytest.raises(SystemExit) as refused:  # argparse's own exit: usage and the message
+            main([*base, "--concurrency", levels])
+        assert refused.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_a_speculative_method_that_never_speculated_is_flagged():
     from specdec.bench.output import did_not_speculate
 

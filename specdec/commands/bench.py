@@ -16,9 +16,18 @@ import os
 import sys
 from pathlib import Path
 
+from specdec.errors import InvalidArgument
 
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x.strip())
+
+def _levels(text: str) -> tuple[int, ...]:
+    try:
+        levels = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"concurrency levels are sessions, comma-separated, e.g. 1,4,16; "
+                                         f"got {text!r}") from None
+    if any(level < 1 for level in levels):
+        raise argparse.ArgumentTypeError(f"every concurrency level must be at least 1 session, got {text!r}")
+    return levels
 
 
 def _positive(text: str) -> int:
@@ -67,7 +76,7 @@ def add_parser(subparsers) -> None:
                              "plain name) and the coordinator's policy, in one interleaved run")
     parser.add_argument("--methods", default="", help=f"comma-separated subset of: {', '.join(CATALOG)}")
     parser.add_argument("--runs", type=int, default=1, help="passes over the prompts (batch 1)")
-    parser.add_argument("--concurrency", type=_ints, default=(1,),
+    parser.add_argument("--concurrency", type=_levels, default=(1,),
                         help="concurrent sessions, e.g. 1,4,16 (service methods; 1 is the batch-1 pass)")
     parser.add_argument("--concurrency-prompts", type=int, default=16, help="requests per method and level")
     parser.add_argument("--concurrency-rounds", type=int, default=1)
@@ -202,7 +211,10 @@ def run(args: argparse.Namespace) -> int:
         print(tables(report))
         print(f"plot:   {plot}", file=sys.stderr)
         return 0
-    bench = Bench(build_config(args))
+    try:
+        bench = Bench(build_config(args))
+    except ValueError as exc:  # a value the benchmark refuses (unknown methods, draft lengths): one line
+        raise InvalidArgument(str(exc)) from None
     with tqdm(total=bench.total_steps(), disable=args.no_progress, unit="req", file=sys.stderr) as progress:
         bench.progress = progress
         collected = bench.run()
