@@ -68,7 +68,6 @@ def plan_batch(
     if not (single_decode or fresh_prefill) or batch_invariant:
         mask = (torch.arange(key_len) <= positions[:, :, None])[:, None]  # [B, 1, T, L]
     contiguous = slots == list(range(slots[0], slots[0] + B))
-    dev = device
     tokens, positions, write_index = tokens.view(-1), positions.view(-1), write_index.view(B * T, -1)
     logit_index = torch.tensor(logit_rows, dtype=torch.long)
     packed = None
@@ -86,17 +85,17 @@ def plan_batch(
     # Batch-invariant on a CPU: every token attends alone (the compiled loop, else SDPA token by
     # token), so that no kernel tiles its queries by the step's width or threads.
     if (compiled_attention and T <= cpu_attention.MAX_QUERY_TOKENS
-            and torch.get_num_threads() <= cpu_attention.MAX_THREADS) or (batch_invariant and dev.type == "cpu"):
+            and torch.get_num_threads() <= cpu_attention.MAX_THREADS) or (batch_invariant and device.type == "cpu"):
         query_slots, query_key_lens = cpu_attention.query_layout(slots, starts, lengths)
-    positions = positions.to(dev)
+    positions = positions.to(device)
     return ForwardBatch(
-        num_rows=B, width=T, key_len=key_len, tokens=tokens.to(dev),
+        num_rows=B, width=T, key_len=key_len, tokens=tokens.to(device),
         cos=cos[positions][:, None], sin=sin[positions][:, None],
-        write_index=write_index.reshape(-1).to(dev), slot_index=None if contiguous else slot_t.to(dev),
-        first_slot=slots[0], mask=None if mask is None else mask.to(dev),
-        is_causal=fresh_prefill and T > 1, logit_rows=logit_index.to(dev),
+        write_index=write_index.reshape(-1).to(device), slot_index=None if contiguous else slot_t.to(device),
+        first_slot=slots[0], mask=None if mask is None else mask.to(device),
+        is_causal=fresh_prefill and T > 1, logit_rows=logit_index.to(device),
         slots=tuple(slots), row_key_lens=tuple(s + n for s, n in zip(starts, lengths)), row_tokens=tuple(lengths),
-        packed_index=None if packed is None else packed.to(dev),
+        packed_index=None if packed is None else packed.to(device),
         query_slots=query_slots, query_key_lens=query_key_lens,
     )
 
