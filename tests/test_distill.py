@@ -241,6 +241,12 @@ def test_cli_end_to_end_and_checkpoint_loads(target_dir, tmp_path):
     result = json.loads(out_json.read_text())
     assert set(result["full_head"]) >= {"qa", "math", "overall_macro", "overall_tokens"}
     assert 0.0 <= result["head_16"]["overall_tokens"]["agreement"] <= 1.0
+    first = tmp_path / "first.json"  # only each answer's first 2 tokens scored
+    assert distill_main(["evaluate", "--draft", str(run / DRAFT), "--eval", str(eval_file), "--device", "cpu",
+                         "--answer-tokens", "2", "--json-out", str(first)]) == 0
+    answers = [len(r.tokens) - r.prompt_len for r in load_shard(eval_file)]
+    assert json.loads(first.read_text())["full_head"]["overall_tokens"]["tokens"] == sum(min(n, 2) for n in answers)
+    assert result["full_head"]["overall_tokens"]["tokens"] == sum(answers)
 
 
 def test_distill_help_lists_steps(capsys):
