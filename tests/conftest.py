@@ -27,6 +27,15 @@ def default_target_dir():
     return resolve_model(DEFAULT_TARGET)
 
 
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A tiny random target and a tiny random draft (the tiny tokenizer), made once per test session."""
+    from service_procs import tiny_model_dir
+
+    base = tmp_path_factory.getbasetemp()
+    return tiny_model_dir(base, "target", seed=0), tiny_model_dir(base, "draft-random", seed=1)
+
+
 def pytest_runtest_logreport(report):
     """A failure's report goes to stderr at once, not only in the summary at the end: a process that
     dies later (a native crash in another test) still leaves the reason in the CI log."""

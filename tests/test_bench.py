@@ -14,16 +14,10 @@ import time
 
 import pytest
 
-from service_procs import REPO, tiny_model_dir
+from service_procs import REPO
 from specdec.bench.prompts import Prompt, load_prompts, select_prompts
 from specdec.bench.report import expected_tokens, ideal_speedup, lossless
 from specdec.bench.methods import RequestResult
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    base = tmp_path_factory.getbasetemp()
-    return tiny_model_dir(base, "target", seed=0), tiny_model_dir(base, "draft-random", seed=1)
 
 
 def test_bench_runs_end_to_end_and_writes_the_report_and_the_plot(models, tmp_path):

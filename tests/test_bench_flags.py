@@ -8,14 +8,8 @@ import sys
 
 import pytest
 
-from service_procs import REPO, tiny_model_dir
+from service_procs import REPO
 from specdec.commands.bench import _delays
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    base = tmp_path_factory.getbasetemp()
-    return tiny_model_dir(base, "target", seed=0), tiny_model_dir(base, "draft-random", seed=1)
 
 
 def test_delay_flags_parse_to_milliseconds():

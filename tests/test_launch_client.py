@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from service_procs import REPO, start_launcher, tiny_model_dir
+from service_procs import REPO, start_launcher
 from specdec.client import AsyncClient, Client
 from specdec.engine.local import LocalTarget
 from specdec.engine.target import TargetEngine
@@ -37,12 +37,6 @@ def plain_greedy(model_dir, prompt_ids, max_new_tokens):
 
 def specdec_cmd(*args):
     return [sys.executable, "-m", "specdec.cli", *args]
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    base = tmp_path_factory.getbasetemp()
-    return tiny_model_dir(base, "target", seed=0), tiny_model_dir(base, "draft-random", seed=1)
 
 
 @pytest.mark.parametrize("placement, extra", [("service", []), ("target", []),

@@ -17,11 +17,16 @@ import json
 import logging
 from dataclasses import replace
 
-from specdec.errors import InvalidArgument
-
 log = logging.getLogger(__name__)
 
 _DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
 
 
 def add_parser(subparsers) -> None:
@@ -112,7 +117,7 @@ def add_subcommands(parser: argparse.ArgumentParser) -> None:
     v.add_argument("--copy-below", type=float, default=None,
                    help="also score each head with the services' copy rule at this threshold (their default: "
                         "0.5): where the draft is unsure, the token that followed the same 3 tokens earlier")
-    v.add_argument("--answer-tokens", type=int, default=0,
+    v.add_argument("--answer-tokens", type=_non_negative, default=0,
                    help="score only the first N tokens of each reference answer (0: all). Long answers often "
                         "end in loops a copying draft predicts well: the first 128 tokens read lower")
     v.add_argument("--json-out", default=None)
@@ -279,8 +284,6 @@ def _evaluate(args) -> int:
 
     draft = AutoModelForCausalLM.from_pretrained(resolve_model(args.draft), dtype=_dtype(args.dtype)).to(args.device)
     records = load_shard(args.eval)
-    if args.answer_tokens < 0:
-        raise InvalidArgument(f"--answer-tokens must be >= 0 (0: whole answers), got {args.answer_tokens}")
     if args.answer_tokens:
         records = [replace(r, tokens=r.tokens[:r.prompt_len + args.answer_tokens]) for r in records]
     copy = CopyRule(args.copy_below) if args.copy_below else None

@@ -2,9 +2,9 @@
 # Lease 4 (run 2026-11-29; docs/DISTILLATION.md, "The run: two larger drafts"): drafts twice the
 # shipped size, trained from the start, in float8 within the 32 MB limit. Recipe v2's generator writes
 # new chunks while the drafts train on them (--reload-data: the trainer waits for the first; lease 1's
-# shards in $W/data, if carried, are used too); every draft in
-# $DRAFTS trains on the same batches, sharing one target forward; each is then evaluated and stored in
-# float8 (specdec distill to-fp8), and the float8 copy evaluated again, to $W/fp8-<draft>.
+# shards in $W/data, if carried, are used too); every draft in $DRAFTS trains on the same batches,
+# sharing one target forward; each is then evaluated and stored in float8 (specdec distill to-fp8),
+# and the float8 copy evaluated again, to $W/fp8-<draft>.
 W=${W:-/tmp/w}
 GGUF=${GGUF:-/tmp/t/smol.gguf}
 GEN_S=${GEN_S:-900}
