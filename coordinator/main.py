@@ -46,7 +46,6 @@ class Coordinator:
 
 def build(settings: CoordinatorSettings, *, tracer_provider=None, registry=None, prompts=None) -> Coordinator:
     """Everything but the gRPC server (tests host the servicer themselves)."""
-    import redis.asyncio as redis
     from opentelemetry import trace
 
     from coordinator.local_draft import LocalNgramDraft
@@ -61,10 +60,10 @@ def build(settings: CoordinatorSettings, *, tracer_provider=None, registry=None,
     from specdec.observability.metrics import CoordinatorMetrics, new_registry
     from specdec.observability.spans import CycleSpanSampler
     from specdec.store import ReplicaRegistry, SessionStore
+    from specdec.store import connect as connect_redis
     from target_service.client import connect as connect_target
 
-    timeout = settings.redis_timeout_s
-    client = redis.Redis.from_url(settings.redis_url, socket_timeout=timeout, socket_connect_timeout=timeout)
+    client = connect_redis(settings.redis_url, timeout_s=settings.redis_timeout_s, retry_s=settings.redis_retry_s)
     store = SessionStore(client, settings.session_ttl_s, prefix=settings.redis_prefix)
     # Flags name the replicas of a kind; without them, replicas of that kind are found in Redis.
     discovery = ReplicaRegistry(client, settings.redis_prefix)

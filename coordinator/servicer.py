@@ -12,7 +12,7 @@ from specdec.errors import InvalidArgument, ServiceUnavailable
 from specdec.rpc import coordinator_pb2 as pb
 from specdec.rpc import coordinator_pb2_grpc
 from specdec.server.interceptors import STATUS_BY_ERROR, grpc_status
-from specdec.store import SchemaMismatch, VersionConflict
+from specdec.store import SchemaMismatch, StoreUnavailable, VersionConflict
 from specdec.store.canary import CanaryWriteRefused
 
 from coordinator.canary import CanaryController
@@ -36,6 +36,7 @@ ERROR_CODES = {
     NoReplica: grpc.StatusCode.UNAVAILABLE,
     ServiceUnavailable: grpc.StatusCode.UNAVAILABLE,
     StreamInterrupted: grpc.StatusCode.UNAVAILABLE,
+    StoreUnavailable: grpc.StatusCode.UNAVAILABLE,
     CanaryDisabled: grpc.StatusCode.FAILED_PRECONDITION,
     CanaryWriteRefused: grpc.StatusCode.ABORTED,
 }

@@ -80,6 +80,7 @@ class CoordinatorSettings:
     owner_lease_s: float = 10.0
     failover_timeout_s: float = 30.0
     redis_timeout_s: float = 5.0  # deadline of every Redis command
+    redis_retry_s: float = 5.0  # how long a command reconnects to a restarting Redis (specdec.store.client)
     model_name: str = ""  # gen_ai.request.model; default: the tokenizer's name
     ready_file: Path | None = None
     canary: CanarySettings | None = None  # None: no canary controller (--canary)
@@ -117,6 +118,8 @@ class CoordinatorSettings:
         for name in ("session_ttl_s", "owner_lease_s", "failover_timeout_s", "redis_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"--{name[:-2].replace('_', '-')} must be > 0 seconds")
+        if self.redis_retry_s < 0:
+            raise ConfigError(f"--redis-retry must be >= 0 seconds (0: no retries), got {self.redis_retry_s}")
         for endpoint in (*self.targets, *(d for d in self.draft_replicas if not is_local(d)), *self.baseline_targets):
             host, _, port = endpoint.rpartition(":")
             if not host or not port.isdigit():
@@ -146,6 +149,9 @@ def add_arguments(parser: argparse.ArgumentParser, environ=os.environ) -> None:
                         "the URL); required")
     g.add_argument("--redis-prefix", default=env("SPECDEC_REDIS_PREFIX", "specdec"))
     g.add_argument("--redis-timeout", type=float, default=5.0, help="deadline in seconds of every Redis command")
+    g.add_argument("--redis-retry", type=float, default=5.0,
+                   help="seconds a Redis command keeps reconnecting after a lost or refused connection (a "
+                        "restart, a failover): a shorter outage only delays streams; past it, UNAVAILABLE")
     g.add_argument("--default-pool", choices=[p.value for p in Pool], default=env("SPECDEC_DEFAULT_POOL", "speculative"),
                    help="pool of a new session whose request names none")
     g.add_argument("--num-draft-tokens", type=int, default=4,
@@ -224,7 +230,7 @@ def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
         feed_draft_every=args.feed_draft_every,
         limits=Limits(args.max_new_tokens, args.max_new_tokens_limit, args.max_draft_tokens),
         session_ttl_s=args.session_ttl, owner_lease_s=args.owner_lease, failover_timeout_s=args.failover_timeout,
-        redis_timeout_s=args.redis_timeout,
+        redis_timeout_s=args.redis_timeout, redis_retry_s=args.redis_retry,
         model_name=args.model_name, ready_file=args.ready_file,
         baseline_targets=tuple(args.baseline_target), canary=canary_settings_from_args(args),
     )

@@ -4,8 +4,11 @@
   Lua scripts with a sliding TTL.
 - replicas.ReplicaRegistry: draft and target replicas under leases; least-loaded choice; draining.
 - redis_server.EmbeddedRedis: a real redis-server child process for the local launcher and tests.
+- client.connect: the coordinator's client (command deadline, reconnect retries); StoreUnavailable
+  once Redis stays away past them.
 """
 
+from specdec.store.client import StoreUnavailable, connect
 from specdec.store.records import SCHEMA, SessionRecord, SessionStats, SessionStatus
 from specdec.store.redis_server import EmbeddedRedis, find_redis_server
 from specdec.store.replicas import Replica, ReplicaRegistry
@@ -21,6 +24,8 @@ __all__ = [
     "SessionStats",
     "SessionStatus",
     "SessionStore",
+    "StoreUnavailable",
     "VersionConflict",
+    "connect",
     "find_redis_server",
 ]

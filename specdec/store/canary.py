@@ -26,6 +26,7 @@ import redis.asyncio as redis
 
 from specdec.errors import SpecDecError
 from specdec.store import lua
+from specdec.store.client import translated
 
 
 class CanaryWriteRefused(SpecDecError):
@@ -59,11 +60,13 @@ class CanaryStore:
 
     # ---- state and decisions ------------------------------------------------------------------
 
+    @translated
     async def state(self) -> dict[str, str]:
         """The state hash ({} before the first write)."""
         raw = await self.client.hgetall(self.key("state"))
         return {_text(k): _text(v) for k, v in raw.items()}
 
+    @translated
     async def write_state(self, fields: Mapping[str, Any], *, expected_version: int | None,
                           holder: str = "", decision: Mapping[str, Any] | None = None) -> int:
         """Set state fields and log `decision`, atomically. expected_version None: create the state,
@@ -80,22 +83,27 @@ class CanaryStore:
             raise CanaryWriteRefused(status, version)
         return version
 
+    @translated
     async def decisions(self, count: int = 50) -> list[dict]:
         """The latest decisions, newest first."""
         return self._decode(await self.client.lrange(self.key("decisions"), 0, max(count, 1) - 1))
 
     # ---- samples and equality checks ----------------------------------------------------------
 
+    @translated
     async def add_sample(self, pool: str, sample: Mapping[str, Any]) -> None:
         await self._push(self.key(f"samples:{pool}"), sample, self.max_samples)
 
+    @translated
     async def samples(self, pool: str) -> list[dict]:
         """The kept samples of a pool, newest first."""
         return self._decode(await self.client.lrange(self.key(f"samples:{pool}"), 0, -1))
 
+    @translated
     async def add_check(self, check: Mapping[str, Any]) -> None:
         await self._push(self.key("checks"), check, self.max_checks)
 
+    @translated
     async def checks(self) -> list[dict]:
         return self._decode(await self.client.lrange(self.key("checks"), 0, -1))
 
@@ -116,6 +124,7 @@ class CanaryStore:
 
     # ---- the decider lease --------------------------------------------------------------------
 
+    @translated
     async def acquire(self, holder: str, lease_s: float) -> bool:
         """Take the lease if free, renew it if `holder` has it; False if another replica holds it."""
         lease_ms = max(1, int(lease_s * 1000))
@@ -123,10 +132,12 @@ class CanaryStore:
             return True
         return bool(await self._lease(keys=[self.key("lease")], args=[holder, lease_ms]))
 
+    @translated
     async def release(self, holder: str) -> bool:
         """Give the lease up (shutdown) if `holder` still has it, so another replica decides at once."""
         return bool(await self._lease(keys=[self.key("lease")], args=[holder, "0"]))
 
+    @translated
     async def holder(self) -> str:
         """The replica holding the lease; '' if none does."""
         value = await self.client.get(self.key("lease"))

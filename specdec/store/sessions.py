@@ -20,6 +20,9 @@ with the next cycle's model work, and still streams a token only after it is rec
 
 Await one append of a session before issuing its next: two in flight may reach Redis in either
 order, and the second would then fail its length check (loudly, never corrupting the list).
+
+A Redis that does not answer (after the client's retries, specdec.store.client) raises
+StoreUnavailable from every method.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import redis.asyncio as redis
 
 from specdec.errors import PositionMismatch, SessionExists, SessionNotFound, SpecDecError
 from specdec.store import lua
+from specdec.store.client import translated
 from specdec.store.records import (
     SCHEMA,
     SessionRecord,
@@ -90,6 +94,7 @@ class SessionStore:
         base = f"{self.prefix}:{{{session_id}}}"
         return base, f"{base}:tokens"
 
+    @translated
     async def create(self, session_id: str, record: SessionRecord, token_ids: Sequence[int]) -> int:
         """Record a new session with its prompt tokens; SessionExists if the id is taken. -> version"""
         items = self._pairs(encode_record(record))
@@ -99,6 +104,7 @@ class SessionStore:
         )
         return self._result(session_id, reply, expected_version=None, expected_length=0)[0]
 
+    @translated
     async def get(self, session_id: str) -> SessionRecord | None:
         hash_key, list_key = self.keys(session_id)
         async with self.client.pipeline(transaction=True) as pipe:
@@ -110,6 +116,7 @@ class SessionStore:
             raise SchemaMismatch(session_id, hash_fields.get("schema", "(none)"))
         return decode_record(hash_fields, length)
 
+    @translated
     async def tokens(self, session_id: str, start: int = 0, end: int = -1) -> list[int]:
         """Committed token ids [start, end], end inclusive as in LRANGE (-1 = the last one)."""
         hash_key, list_key = self.keys(session_id)
@@ -119,6 +126,7 @@ class SessionStore:
             raise SessionNotFound(session_id)
         return [int(v) for v in values]
 
+    @translated
     async def append(
         self,
         session_id: str,
@@ -147,6 +155,7 @@ class SessionStore:
         )
         return self._result(session_id, reply, expected_version, expected_length)[0]
 
+    @translated
     async def truncate(self, session_id: str, length: int, expected_version: int | None = None) -> int:
         """Keep the first `length` tokens (a stop sequence found inside a recorded block). A length
         beyond the list is a PositionMismatch. -> the new version"""
@@ -157,16 +166,19 @@ class SessionStore:
         )
         return self._result(session_id, reply, expected_version, length)[0]
 
+    @translated
     async def update(
         self, session_id: str, fields: Mapping[str, Any], expected_version: int | None = None
     ) -> int:
         """Set writable record fields atomically; VersionConflict if expected_version is stale."""
         return await self._set(session_id, fields, expected_version, allow_ended=False)
 
+    @translated
     async def end(self, session_id: str) -> int:
         """Mark the session ended: readable until its TTL runs out, no longer writable. Idempotent."""
         return await self._set(session_id, {"status": SessionStatus.ENDED}, None, allow_ended=True)
 
+    @translated
     async def touch(self, session_id: str) -> bool:
         """Slide the TTL without writing; False if the session does not exist."""
         hash_key, list_key = self.keys(session_id)
@@ -175,6 +187,7 @@ class SessionStore:
             found, _ = await pipe.pexpire(hash_key, ttl_ms).pexpire(list_key, ttl_ms).execute()
         return bool(found)
 
+    @translated
     async def delete(self, session_id: str) -> bool:
         """Remove both keys now; False if there was nothing to remove."""
         hash_key, list_key = self.keys(session_id)

@@ -1,0 +1,181 @@
+"""The coordinator while Redis is away: a restart shorter than the retry window only delays a
+stream; a longer outage is UNAVAILABLE with a message that says what to do, and nothing is lost:
+the cut stream resumes once Redis is back and its output equals plain decoding, and another
+session is intact.
+
+Redis here is a real redis-server of this module's own (append-only file on, as the chart runs it),
+stopped with SHUTDOWN SAVE and started again on the same port and directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import time
+
+import grpc
+import grpc.aio
+import pytest
+import redis
+
+from coordinator_harness import Reference, request, running_coordinator, tokens_of
+from service_procs import launch, stop_all, tiny_model_dir, wait_all
+from specdec.rpc import coordinator_pb2 as pb
+from specdec.store import find_redis_server
+from specdec.store.client import BACKOFF_BASE_S, BACKOFF_CAP_S, connect, retries_within
+from specdec.testing.tiny_models import TINY_EOS_ID
+
+CONTEXT = 512
+PROMPT = "Tell me a story."
+TOKENS = 100
+
+
+class RestartableRedis:
+    """A redis-server on a fixed port whose data survives stop() and start()."""
+
+    def __init__(self, directory):
+        self.directory = directory
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            [find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.directory),
+             "--appendonly", "yes", "--save", ""],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        probe = redis.Redis(port=self.port, socket_connect_timeout=0.5, retry=None)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                if probe.ping():
+                    return
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        """SHUTDOWN SAVE: every acknowledged write is on disk, every connection dropped."""
+        with socket.create_connection(("127.0.0.1", self.port)) as sock:
+            sock.sendall(b"SHUTDOWN SAVE\r\n")
+            sock.recv(64)  # the server closes the connection once it has saved
+        self.process.wait(timeout=10)
+
+
+@pytest.fixture
+def store_server(tmp_path):
+    server = RestartableRedis(tmp_path)
+    server.start()
+    yield server
+    if server.process.poll() is None:
+        server.process.terminate()
+        server.process.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    base = tmp_path_factory.getbasetemp()
+    return {"target": tiny_model_dir(base, "target", seed=0), "random": tiny_model_dir(base, "draft", seed=1)}
+
+
+@pytest.fixture(scope="module")
+def services(dirs, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("redis-outage-logs")
+    # 20 ms a forward and a draft that is mostly wrong: a stream of 100 tokens takes over a second,
+    # so the outage lands while most of it is still to come.
+    procs = {
+        "target": launch("target_service", ["--model", str(dirs["target"]), "--max-context", str(CONTEXT),
+                                            "--test-delay-ms", "20", "--plaintext"], log_dir=logs),
+        "draft": launch("draft_service", ["--model", str(dirs["random"]), "--plaintext"], log_dir=logs),
+    }
+    wait_all(*procs.values())
+    yield procs
+    stop_all(*procs.values())
+
+
+@pytest.fixture(scope="module")
+def reference(dirs):
+    return Reference(dirs["target"], CONTEXT)
+
+
+def expected(reference: Reference, n: int, prompt: str = PROMPT) -> list[int]:
+    out = reference.continuation(reference.prompt_ids(prompt), n)
+    return out[: out.index(TINY_EOS_ID) + 1] if TINY_EOS_ID in out else out
+
+
+async def read_some(call, count: int) -> list:
+    got = []
+    async for message in call:
+        got.append(message)
+        if len(got) == count:
+            break
+    return got
+
+
+def test_the_retry_window_counts_backoff_waits():
+    assert retries_within(0) == 0
+    # waits of 0.1, 0.2, 0.4, then the cap: 0.1 + 0.2 + 0.4 + 0.5 = 1.2 s fits in 1.2, not in 1.1
+    assert BACKOFF_BASE_S == 0.05 and BACKOFF_CAP_S == 0.5
+    assert retries_within(1.1) == 3 and retries_within(1.2) == 4
+    client = connect("redis://127.0.0.1:1/0", timeout_s=1.0, retry_s=1.2)
+    retry = client.get_connection_kwargs()["retry"]
+    assert retry.get_retries() == 4
+    # A timed-out command may be running on the server: only lost connections are retried.
+    assert retry._supported_errors == (redis.ConnectionError,)
+
+
+async def test_a_redis_restart_mid_stream_only_delays_it(store_server, dirs, services, reference):
+    async with running_coordinator(store_server.url, dirs["target"], [services["target"].address],
+                                   [services["draft"].address], redis_retry_s=10.0) as c:
+        call = c.stub.Generate(request(prompt=PROMPT, max_new_tokens=TOKENS))
+        got = await read_some(call, 3)
+        store_server.stop()
+        await asyncio.sleep(0.5)
+        store_server.start()
+        got += [m async for m in call]
+        session_id = got[0].session_id
+        recorded = await c.tokens(session_id)
+    assert tokens_of(got) == expected(reference, TOKENS)
+    assert recorded == reference.prompt_ids(PROMPT) + tokens_of(got)
+
+
+async def test_redis_away_past_the_retry_window_is_unavailable_and_nothing_is_lost(
+    store_server, dirs, services, reference
+):
+    async with running_coordinator(store_server.url, dirs["target"], [services["target"].address],
+                                   [services["draft"].address], redis_retry_s=0.5, owner_lease_s=1.0) as c:
+        other = await c.generate(prompt="Another session.", max_new_tokens=10)
+        other_id, other_tokens = other[0].session_id, await c.tokens(other[0].session_id)
+
+        call = c.stub.Generate(request(prompt=PROMPT, max_new_tokens=TOKENS))
+        got = await read_some(call, 3)
+        store_server.stop()
+        with pytest.raises(grpc.aio.AioRpcError) as cut:
+            got += [m async for m in call]
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await c.generate(prompt="A new session while Redis is away.", max_new_tokens=5)
+        with pytest.raises(grpc.aio.AioRpcError) as unread:
+            await c.session(other_id)
+        for error in (cut.value, refused.value, unread.value):
+            assert error.code() == grpc.StatusCode.UNAVAILABLE
+            assert "session store (Redis) did not answer" in error.details()
+            assert "ResumeStream" in error.details()
+
+        store_server.start()
+        session_id, position = got[-1].session_id, got[-1].position
+        rest = [m async for m in c.stub.Generate(request(session_id=session_id, resume=position))]
+        assert tokens_of(got + rest) == expected(reference, TOKENS)
+        assert await c.tokens(session_id) == reference.prompt_ids(PROMPT) + tokens_of(got + rest)
+
+        # The other session is as it was, and takes its next turn.
+        assert await c.tokens(other_id) == other_tokens
+        assert (await c.session(other_id)).position == len(other_tokens)
+        more = await c.generate(session_id=other_id, prompt=" go on", raw=True, max_new_tokens=5)
+        assert more[-1].finish_reason in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_EOS)
+        after = await c.tokens(other_id)
+        assert after[:len(other_tokens)] == other_tokens and len(after) > len(other_tokens) + len(more)
