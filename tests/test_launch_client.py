@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -111,3 +112,22 @@ def test_async_client_and_bad_input(launched):
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in err.value.details()
 
     asyncio.run(scenario())
+
+
+def test_launch_stops_everything_when_a_service_dies(models, tmp_path):
+    """A launcher whose target was killed says so and exits 1, instead of serving on half a system."""
+    target, _ = models
+    logs = tmp_path / "logs"
+    proc, _ = start_launcher(["--target", str(target), "--draft", "ngram", "--log-dir", str(logs)],
+                             tmp_path / "launch.log")
+    try:
+        subprocess.run(["pkill", "-9", "-f", f"target_service.*{logs}"], check=True)
+        assert proc.wait(60) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = (tmp_path / "launch.log").read_text()
+    assert "target_service exited (code -9)" in text and str(logs) in text
+    time.sleep(1)
+    left = subprocess.run(["pgrep", "-f", str(logs)], capture_output=True, text=True).stdout
+    assert left == "", f"processes outlived the launcher: {left}"

@@ -88,9 +88,10 @@ def run(args: argparse.Namespace) -> int:
     target_dir = resolve_model(args.target)  # fetch once here, with progress, not inside the service
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="specdec-launch-"))
     with contextlib.ExitStack() as stack:
-        redis_url = args.redis_url
+        redis_url, embedded = args.redis_url, None
         if not redis_url:
-            redis_url = stack.enter_context(EmbeddedRedis()).url
+            embedded = stack.enter_context(EmbeddedRedis())
+            redis_url = embedded.url
         log.info("redis at %s; logs in %s", redis_url.split("@")[-1], log_dir)
         inner = args.draft_placement == "target" and draft != "none"
         target_cli = ["--host", "127.0.0.1", "--plaintext", "--model", str(target_dir), *model_args(args)]
@@ -125,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
         log.info("coordinator %s | target %s | draft %s (%s)", coordinator.address, target.address,
                  draft_proc.address if draft_proc else "inside the target" if inner else "-", draft)
         if args.prompt is None:
-            return wait_for_signal()
+            return wait_for_signal(services, embedded)
         return ask(coordinator.address, args)
 
 
@@ -141,10 +142,21 @@ def ask(address: str, args: argparse.Namespace) -> int:
     return client_run(client_args)
 
 
-def wait_for_signal() -> int:
+def wait_for_signal(services, redis=None, poll_s: float = 0.5) -> int:
+    """Until Ctrl-C / SIGTERM (-> 0), or until a service or the embedded Redis exits on its own
+    (-> 1, naming it and its log; the rest is then stopped instead of serving on half a system)."""
     stopped = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stopped.set())
     print("services are running; Ctrl-C stops them", file=sys.stderr)
-    stopped.wait()
+    while not stopped.wait(poll_s):
+        for service in services:
+            code = service.proc.poll()
+            if code is not None:
+                print(f"specdec launch: {service.module} exited (code {code}); its log: {service.log_path}; "
+                      "stopping the rest", file=sys.stderr)
+                return 1
+        if redis is not None and not redis.running:
+            print("specdec launch: the embedded redis-server exited; stopping the rest", file=sys.stderr)
+            return 1
     return 0
