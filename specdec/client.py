@@ -7,13 +7,18 @@
     with Client("localhost:50051", plaintext=True) as client:
         print(client.generate("Why is the sky blue?").text)
 
-A broken stream is resumed with `resume(session_id, from_position)`, where from_position is the
-`position` of the last chunk received; the next turn of a conversation is `stream(prompt,
-session_id=...)`.
+A stream cut by UNAVAILABLE after its first chunk (a coordinator restarting, Redis away past the
+coordinator's --redis-retry) is resumed by the client itself, from the last chunk's position, up to
+`resume_attempts` times in a row with backoff (`resume_backoff_s` doubling): the caller sees one
+uninterrupted stream. `resume(session_id, from_position)` does the same by hand; the next turn of a
+conversation is `stream(prompt, session_id=...)`. A call that fails before its first chunk is not
+retried: whether it reached the coordinator is unknown, and a turn must not be sent twice.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Iterator, Sequence
@@ -139,12 +144,23 @@ def _credentials(tls_ca, tls_cert, tls_key, token) -> grpc.ChannelCredentials:
 class _Options:
     def __init__(self, address: str, *, plaintext: bool = False, tls_ca: str | None = None,
                  tls_cert: str | None = None, tls_key: str | None = None, token: str | None = None,
-                 timeout_s: float = 600.0):
+                 timeout_s: float = 600.0, resume_attempts: int = 4, resume_backoff_s: float = 0.5):
         if plaintext and token:
             raise ValueError("a token over plaintext would travel in the clear; use TLS (tls_ca=...)")
+        if resume_attempts < 0 or resume_backoff_s < 0:
+            raise ValueError("resume_attempts and resume_backoff_s must be >= 0")
         self.address = address
         self.timeout_s = timeout_s
+        self.resume_attempts = resume_attempts
+        self.resume_backoff_s = resume_backoff_s
         self.credentials = None if plaintext else _credentials(tls_ca, tls_cert, tls_key, token)
+
+    def _resume_wait(self, error: grpc.RpcError, last: Chunk | None, failures: int) -> float | None:
+        """Seconds to wait before resuming after `failures` failures in a row; None: give up."""
+        resumable = last is not None and last.finish_reason is None and error.code() == grpc.StatusCode.UNAVAILABLE
+        if not resumable or failures > self.resume_attempts:
+            return None
+        return self.resume_backoff_s * 2 ** (failures - 1)
 
 
 class AsyncClient(_Options):
@@ -156,9 +172,20 @@ class AsyncClient(_Options):
         self.stub = coordinator_pb2_grpc.CoordinatorServiceStub(self.channel)
 
     async def stream(self, prompt: str | None = None, **kwargs) -> AsyncIterator[Chunk]:
-        call = self.stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout_s)
-        async for response in call:
-            yield to_chunk(response)
+        request, last, failures = build_request(prompt, **kwargs), None, 0
+        while True:
+            try:
+                async for response in self.stub.Generate(request, timeout=self.timeout_s):
+                    last, failures = to_chunk(response), 0
+                    yield last
+                return
+            except grpc.aio.AioRpcError as error:
+                failures += 1
+                wait_s = self._resume_wait(error, last, failures)
+                if wait_s is None:
+                    raise
+            await asyncio.sleep(wait_s)
+            request = build_request(session_id=last.session_id, resume_from=last.position)
 
     async def generate(self, prompt: str | None = None, **kwargs) -> Completion:
         return collect([chunk async for chunk in self.stream(prompt, **kwargs)])
@@ -199,8 +226,20 @@ class Client(_Options):
         self.stub = coordinator_pb2_grpc.CoordinatorServiceStub(self.channel)
 
     def stream(self, prompt: str | None = None, **kwargs) -> Iterator[Chunk]:
-        for response in self.stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout_s):
-            yield to_chunk(response)
+        request, last, failures = build_request(prompt, **kwargs), None, 0
+        while True:
+            try:
+                for response in self.stub.Generate(request, timeout=self.timeout_s):
+                    last, failures = to_chunk(response), 0
+                    yield last
+                return
+            except grpc.RpcError as error:
+                failures += 1
+                wait_s = self._resume_wait(error, last, failures)
+                if wait_s is None:
+                    raise
+            time.sleep(wait_s)
+            request = build_request(session_id=last.session_id, resume_from=last.position)
 
     def generate(self, prompt: str | None = None, **kwargs) -> Completion:
         return collect(list(self.stream(prompt, **kwargs)))

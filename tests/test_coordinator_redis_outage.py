@@ -1,7 +1,7 @@
 """The coordinator while Redis is away: a restart shorter than the retry window only delays a
 stream; a longer outage is UNAVAILABLE with a message that says what to do, and nothing is lost:
 the cut stream resumes once Redis is back and its output equals plain decoding, and another
-session is intact.
+session is intact. The client library resumes such a stream by itself.
 
 Redis here is a real redis-server of this module's own (append-only file on, as the chart runs it),
 stopped with SHUTDOWN SAVE and started again on the same port and directory.
@@ -21,6 +21,7 @@ import redis
 
 from coordinator_harness import Reference, request, running_coordinator, tokens_of
 from service_procs import launch, stop_all, tiny_model_dir, wait_all
+from specdec.client import AsyncClient, Client
 from specdec.rpc import coordinator_pb2 as pb
 from specdec.store import find_redis_server
 from specdec.store.client import BACKOFF_BASE_S, BACKOFF_CAP_S, connect, retries_within
@@ -179,3 +180,55 @@ async def test_redis_away_past_the_retry_window_is_unavailable_and_nothing_is_lo
         assert more[-1].finish_reason in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_EOS)
         after = await c.tokens(other_id)
         assert after[:len(other_tokens)] == other_tokens and len(after) > len(other_tokens) + len(more)
+
+
+@pytest.mark.parametrize("flavour", ["asyncio", "blocking"])
+async def test_the_client_library_resumes_a_cut_stream_by_itself(store_server, dirs, services, reference, flavour):
+    async with running_coordinator(store_server.url, dirs["target"], [services["target"].address],
+                                   [services["draft"].address], redis_retry_s=0.3, owner_lease_s=1.0) as c:
+        address, options = f"127.0.0.1:{c.host.port}", {"plaintext": True, "resume_backoff_s": 0.5}
+
+        async def outage():
+            store_server.stop()
+            await asyncio.sleep(1.5)
+            store_server.start()
+
+        if flavour == "asyncio":
+            chunks, restart = [], None
+            async with AsyncClient(address, **options) as client:
+                async for chunk in client.stream(PROMPT, max_new_tokens=TOKENS):
+                    chunks.append(chunk)
+                    if len(chunks) == 3:
+                        restart = asyncio.create_task(outage())
+            await restart
+        else:
+            loop = asyncio.get_running_loop()
+
+            def consume():
+                got = []
+                with Client(address, **options) as client:
+                    for chunk in client.stream(PROMPT, max_new_tokens=TOKENS):
+                        got.append(chunk)
+                        if len(got) == 3:
+                            asyncio.run_coroutine_threadsafe(outage(), loop)
+                return got
+
+            chunks = await asyncio.to_thread(consume)
+        session_ids = {chunk.session_id for chunk in chunks}
+        assert len(session_ids) == 1 and chunks[-1].finish_reason in ("length", "eos")
+        assert [t for chunk in chunks for t in chunk.token_ids] == expected(reference, TOKENS)
+        assert await c.tokens(session_ids.pop()) == reference.prompt_ids(PROMPT) + expected(reference, TOKENS)
+
+
+async def test_the_client_library_gives_up_past_its_attempts(store_server, dirs, services):
+    async with running_coordinator(store_server.url, dirs["target"], [services["target"].address],
+                                   [services["draft"].address], redis_retry_s=0.3) as c:
+        async with AsyncClient(f"127.0.0.1:{c.host.port}", plaintext=True, resume_attempts=2,
+                               resume_backoff_s=0.1) as client:
+            chunks = []
+            with pytest.raises(grpc.aio.AioRpcError) as cut:
+                async for chunk in client.stream(PROMPT, max_new_tokens=TOKENS):
+                    chunks.append(chunk)
+                    if len(chunks) == 3:
+                        store_server.stop()
+    assert cut.value.code() == grpc.StatusCode.UNAVAILABLE and len(chunks) >= 3

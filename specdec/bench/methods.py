@@ -211,7 +211,7 @@ class ServiceMethod:
         self.name, self.address, self.pool, self.num_draft_tokens = name, address, pool, num_draft_tokens
         self.ignore_eos = ignore_eos
         self.pipelined = pipelined  # None: the coordinator's default (the baseline pool)
-        self.client = AsyncClient(address, plaintext=True)
+        self.client = AsyncClient(address, plaintext=True, resume_attempts=0)  # a failure counts, not hidden
 
     async def run(self, prompt: Prompt, prompt_ids: list[int], max_new_tokens: int) -> RequestResult:
         tokens: list[int] = []
