@@ -20,7 +20,9 @@ import logging
 import time
 from typing import AsyncIterator, Awaitable, Callable, Sequence
 
-from specdec.errors import PositionMismatch, ServiceUnavailable, SessionExists, SessionNotFound, SpecDecError
+from specdec.errors import (
+    CacheFull, PositionMismatch, ServiceUnavailable, SessionExists, SessionNotFound, SpecDecError,
+)
 from specdec.sampling.params import SamplingParams
 
 from coordinator.requests import Pool
@@ -28,7 +30,9 @@ from coordinator.routing import DRAFT, TARGET, Router
 
 log = logging.getLogger(__name__)
 
-RECOVERABLE = (ServiceUnavailable, SessionNotFound, PositionMismatch)
+# CacheFull: every KV slot of the replica is held by sessions in mid-turn (the target's --evict-after);
+# the call waits for one, as a queue would, for up to failover_timeout_s.
+RECOVERABLE = (ServiceUnavailable, SessionNotFound, PositionMismatch, CacheFull)
 
 
 class NoReplica(SpecDecError):
@@ -166,6 +170,9 @@ class SessionTarget:
         """Before a retry: stop if the turn must, leave a replica that did not answer (after
         `delay`), rebuild the session; the delay before the next such retry."""
         await self.guard()
+        if isinstance(error, CacheFull):  # nothing to rebuild: the replica holds the session, or will
+            await asyncio.sleep(delay)
+            return min(2 * delay, 1.0)
         if isinstance(error, ServiceUnavailable):
             await self._move()
             await asyncio.sleep(delay)

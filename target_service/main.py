@@ -46,6 +46,7 @@ class TargetServiceSettings:
     num_slots: int = 8
     max_context: int | None = None  # None: the model's own limit (capped by the loader)
     session_ttl_s: float = 600.0
+    evict_after_s: float = 1.0  # --evict-after: a session used this recently keeps its KV slot (TargetEngine)
     max_draft_tokens: int = 64
     ready_file: Path | None = None
     test_fault: str | None = None  # TEST ONLY: TargetEngine(fault_injection=...), docs/CANARY.md
@@ -67,6 +68,8 @@ class TargetServiceSettings:
                                      self.batch_invariant_rows)
         if self.max_draft_tokens < 1:
             raise ConfigError(f"--max-draft-tokens must be >= 1, got {self.max_draft_tokens}")
+        if not self.evict_after_s >= 0:
+            raise ConfigError(f"--evict-after must be >= 0 seconds, got {self.evict_after_s}")
         if not 0.0 <= self.trim_margin <= 10.0:  # also refuses NaN
             raise ConfigError(f"--trim-margin must be in [0, 10], got {self.trim_margin}")
         if self.step_pricing not in STEP_PRICINGS:
@@ -89,6 +92,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="TEST ONLY: make every forward this much slower, however many tokens it feeds (the "
                         "flat step cost of a large memory-bound target, on tiny test models)")
     service.add_model_arguments(g, num_slots_help="sessions whose KV caches fit at once")
+    g.add_argument("--evict-after", type=float, default=1.0,
+                   help="seconds a session keeps its KV cache slot after its last call: when more sessions are "
+                        "active than --num-slots fit, a new one waits for a slot (its coordinator retries) "
+                        "instead of evicting one in the middle of a turn (0: evict any session not in a call)")
     service.add_batching_arguments(g, what="Verify and Decode steps")
     g.add_argument("--draft-trimming", choices=["goodput", "step", "off"], default="goodput",
                    help="goodput: verify only the drafted tokens that raise the batch's expected tokens per "
@@ -121,6 +128,7 @@ def settings_from_args(args: argparse.Namespace) -> TargetServiceSettings:
     return TargetServiceSettings(
         server=server_settings_from_args(args, service=SERVICE), model=args.model,
         max_draft_tokens=args.max_draft_tokens, test_fault=args.test_fault, test_delay_ms=args.test_delay_ms,
+        evict_after_s=args.evict_after,
         batching=service.batch_settings_from_args(args), trim_drafts=args.draft_trimming != "off",
         trim_cycles=args.draft_trimming == "goodput",
         trim_margin=args.trim_margin, step_pricing=args.step_pricing, inner_draft=args.inner_draft,
@@ -173,7 +181,8 @@ def run(settings: TargetServiceSettings, adapt_inner_draft=None) -> int:
         log.warning("TEST ONLY: verification is corrupted on purpose (--test-fault %s)", settings.test_fault)
     if settings.test_delay_ms > 0:
         model.forward = service.test_delayed(model.forward, settings.test_delay_ms / 1000, "target forward")
-    engine = TargetEngine(model, idle_ttl_s=settings.session_ttl_s, fault_injection=settings.test_fault)
+    engine = TargetEngine(model, idle_ttl_s=settings.session_ttl_s, fault_injection=settings.test_fault,
+                          evict_after_s=settings.evict_after_s)
     tokenizer = tokenizer_facts(model_dir)
     inner_draft = load_inner_draft(settings, tokenizer) if settings.inner_draft else None
     if inner_draft is not None and adapt_inner_draft is not None:

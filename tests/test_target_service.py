@@ -61,7 +61,8 @@ def services(target_dir, certs, tmp_path_factory):
     procs = {
         "main": launch("target_service", [*model, "--plaintext", "--num-slots", "4", "--max-draft-tokens", "8",
                                           "--max-message-bytes", "65536"], log_dir=logs),
-        "secure": launch("target_service", [*model, "--num-slots", "2", "--tls-cert", str(certs.server_cert),
+        # --evict-after 0: the eviction test below calls round robin faster than any protection window
+        "secure": launch("target_service", [*model, "--num-slots", "2", "--evict-after", "0", "--tls-cert", str(certs.server_cert),
                                             "--tls-key", str(certs.server_key), "--tls-client-ca", str(certs.ca_cert),
                                             "--auth-tokens-file", str(tokens), "--health-port", "0"], log_dir=logs),
         "doomed": launch("target_service", ["--model", str(target_dir), "--max-context", "512", "--plaintext",

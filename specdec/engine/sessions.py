@@ -67,10 +67,12 @@ class SessionTable(Generic[S]):
     def pop(self, session_id: str) -> S | None:
         return self._sessions.pop(session_id, None)
 
-    def lru_evictable(self) -> Iterator[S]:
-        """Sessions holding a slot and not in use, least recently used first."""
+    def lru_evictable(self, idle_s: float = 0.0) -> Iterator[S]:
+        """Sessions holding a slot, not in use and unused for at least idle_s seconds, least
+        recently used first."""
+        used_before = self._clock() - idle_s
         for state in list(self._sessions.values()):
-            if state.slot is not None and state.in_use == 0:
+            if state.slot is not None and state.in_use == 0 and (idle_s <= 0 or state.last_used <= used_before):
                 yield state
 
     def expired(self) -> list[S]:

@@ -36,12 +36,20 @@ class TargetEngine:
         idle_ttl_s: float = 600.0,
         clock: Callable[[], float] = time.monotonic,
         fault_injection: str | None = None,  # TEST ONLY, see FAULTS; None in every real deployment
+        evict_after_s: float = 0.0,
     ):
+        """evict_after_s: a session used within this many seconds keeps its KV slot; a session that
+        needs one while every slot is kept gets CacheFull (its caller waits and retries) instead of
+        evicting it. Sessions in the middle of a turn return every cycle, so evicting one only to
+        re-prefill it a moment later (LRU picks exactly those once more sessions are active than
+        slots fit) would cut throughput several-fold; idle ones (between turns) are evicted as before.
+        0: any session not in a call may be evicted."""
         if fault_injection is not None and fault_injection not in FAULTS:
             raise InvalidArgument(f"fault_injection must be one of {FAULTS} or None, got {fault_injection!r}")
         self.fault_injection = fault_injection
         self.model = model
         self.sessions: SessionTable[SessionState] = SessionTable(idle_ttl_s, clock)
+        self.evict_after_s = evict_after_s
         self.evictions = 0
 
     @property
@@ -190,11 +198,12 @@ class TargetEngine:
                 state.slot = self.model.allocate()
                 return state.slot
             except CacheFull:
-                victim = next((s for s in self.sessions.lru_evictable() if s is not state), None)
+                victim = next((s for s in self.sessions.lru_evictable(self.evict_after_s) if s is not state), None)
                 if victim is None:
+                    active = f" or used in the last {self.evict_after_s:g} s" if self.evict_after_s > 0 else ""
                     raise CacheFull(
-                        f"all {self.model.num_slots} KV cache slots are held by sessions in use; "
-                        "retry later or route to another replica"
+                        f"all {self.model.num_slots} KV cache slots are held by sessions in use{active}; "
+                        "retry later or route to another replica (--num-slots sets how many fit)"
                     ) from None
                 self.model.free(victim.slot)
                 victim.slot = None
