@@ -18,14 +18,16 @@ counted, and a rollback only when too many are (policy).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 
 from opentelemetry import trace
 
-from specdec.errors import ServiceUnavailable, SessionNotFound
+from specdec.errors import CacheFull, ServiceUnavailable, SessionNotFound
 from specdec.generation.equality import (DEFAULT_TIE_THRESHOLD, EXACT_DTYPES, TIE_ULPS, EqualityReport,
                                          compare_outputs, rescored, tie_threshold)
 from specdec.sampling.params import SamplingMode
@@ -124,12 +126,26 @@ class EqualityChecker:
         client = self.router.target(endpoint)
         replay_id = f"canary-replay-{uuid.uuid4().hex}"
         try:
-            position, first = await client.start_session(replay_id, prompt, params)
+            position, first = await self._start_when_a_slot_frees(client, replay_id, prompt, params)
             rest = await client.decode(replay_id, position, n - 1) if n > 1 else []
             return [first, *rest]
         finally:
             with contextlib.suppress(Exception):
                 await client.end_session(replay_id)
+
+    @staticmethod
+    async def _start_when_a_slot_frees(client, replay_id: str, prompt: list[int], params, wait_s: float = 30.0):
+        """StartSession, waiting (as sessions do, coordinator/failover.py) while every KV slot of the
+        baseline target is held by sessions in mid-turn: a check must not evict one."""
+        deadline, delay = time.monotonic() + wait_s, 0.05
+        while True:
+            try:
+                return await client.start_session(replay_id, prompt, params)
+            except CacheFull:
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 1.0)
 
     async def _is_exact(self, endpoint: str) -> bool:
         """Whether the target computes in fp32, or batch-invariantly (--batch-invariant: a verify

@@ -35,6 +35,12 @@ log = logging.getLogger(__name__)
 RECOVERABLE = (ServiceUnavailable, SessionNotFound, PositionMismatch, CacheFull)
 
 
+def _log_recovery(session_id: str, endpoint: str, exc: Exception) -> None:
+    # Waiting for a KV slot is load, not a fault: a queue of sessions would otherwise log every retry.
+    level = logging.DEBUG if isinstance(exc, CacheFull) else logging.WARNING
+    log.log(level, "session %s on target %s: %s; recovering", session_id, endpoint, exc)
+
+
 class NoReplica(SpecDecError):
     """No replica of the needed kind is registered or configured (maps to UNAVAILABLE)."""
 
@@ -128,7 +134,7 @@ class SessionTarget:
             except RECOVERABLE as exc:
                 if self.clock() >= deadline:
                     raise
-                log.warning("session %s on target %s: %s; recovering", self.session_id, self.endpoint, exc)
+                _log_recovery(self.session_id, self.endpoint, exc)
                 error = exc
 
     async def truncate(self, session_id: str, position: int) -> int:
@@ -163,7 +169,7 @@ class SessionTarget:
             except RECOVERABLE as exc:
                 if self.clock() >= deadline:
                     raise
-                log.warning("session %s on target %s: %s; recovering", self.session_id, self.endpoint, exc)
+                _log_recovery(self.session_id, self.endpoint, exc)
                 error = exc
 
     async def _recover(self, error: Exception, recover, delay: float) -> float:

@@ -47,8 +47,10 @@ def services(dirs, tmp_path_factory):
     logs = tmp_path_factory.mktemp("batching-logs")
     common = ["--plaintext", "--max-context", str(CONTEXT), "--max-batch-size", "8"]
     procs = {
-        "target": launch("target_service", [*common, "--model", str(dirs["target"]), "--num-slots", "6"],
-                         log_dir=logs),
+        # More sessions than slots, driven by the loop over bare clients (no coordinator to wait for a
+        # slot): --evict-after 0 lets them evict each other, as these tests of batching expect.
+        "target": launch("target_service", [*common, "--model", str(dirs["target"]), "--num-slots", "6",
+                                            "--evict-after", "0"], log_dir=logs),
         "same": launch("draft_service", [*common, "--model", str(dirs["target"]), "--num-slots", "6"],
                        log_dir=logs),
         "ngram": launch("draft_service", [*common, "--proposer", "ngram", "--tokenizer", str(dirs["target"])],
