@@ -95,6 +95,16 @@ def tokens_of(messages) -> list[int]:
     return [t for m in messages for t in m.token_ids]
 
 
+async def read_some(call, count: int) -> list:
+    """The first `count` messages of a streaming call, leaving the rest unread."""
+    got = []
+    async for message in call:
+        got.append(message)
+        if len(got) == count:
+            break
+    return got
+
+
 @contextlib.asynccontextmanager
 async def running_coordinator(redis_url: str, tokenizer_dir, targets=(), drafts=(), *, prefix: str | None = None,
                               server: dict | None = None, target_client: ClientSettings | None = None,

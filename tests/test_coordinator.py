@@ -16,7 +16,7 @@ import urllib.request
 import grpc
 import pytest
 
-from coordinator_harness import Code, Reference, expected, request, running_coordinator, tokens_of
+from coordinator_harness import Code, Reference, expected, read_some, request, running_coordinator, tokens_of
 from service_procs import launch, stop_all, tiny_model_dir, wait_all
 from specdec.models.tokenizer import encode_continuation
 from specdec.rpc import common_pb2
@@ -80,15 +80,6 @@ def coordinator(redis_url, dirs, services, draft: str | None = "same", **kwargs)
 
 def raw_ids(reference: Reference, text: str) -> list[int]:
     return reference.tokenizer.encode(text, add_special_tokens=False)
-
-
-async def read_some(call, count: int) -> list:
-    got = []
-    async for message in call:
-        got.append(message)
-        if len(got) == count:
-            break
-    return got
 
 
 @pytest.mark.parametrize("draft", ["random", "same", "ngram", "local", "target", "target-model", "baseline", "disabled"])

@@ -20,7 +20,7 @@ import grpc.aio
 import pytest
 import redis.asyncio as redis
 
-from coordinator_harness import Reference, request, running_coordinator, tokens_of
+from coordinator_harness import Reference, read_some, request, running_coordinator, tokens_of
 from service_procs import launch, stop_all, tiny_model_dir, wait_all
 from specdec.models.tokenizer import load_tokenizer
 from specdec.rpc import coordinator_pb2 as pb
@@ -79,15 +79,6 @@ def reference(dirs):
 def expected(reference: Reference, n: int, prompt: str = PROMPT) -> list[int]:
     out = reference.continuation(reference.prompt_ids(prompt), n)
     return out[: out.index(TINY_EOS_ID) + 1] if TINY_EOS_ID in out else out
-
-
-async def read_some(call, count: int) -> list:
-    got = []
-    async for message in call:
-        got.append(message)
-        if len(got) == count:
-            break
-    return got
 
 
 async def test_a_draft_with_another_vocabulary_is_refused_and_requests_decode_plainly(

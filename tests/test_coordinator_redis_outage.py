@@ -19,13 +19,13 @@ import grpc.aio
 import pytest
 import redis
 
-from coordinator_harness import Reference, request, running_coordinator, tokens_of
+from coordinator_harness import Reference, read_some, request, running_coordinator, tokens_of
+from coordinator_harness import expected as harness_expected
 from service_procs import launch, stop_all, tiny_model_dir, wait_all
 from specdec.client import AsyncClient, Client
 from specdec.rpc import coordinator_pb2 as pb
 from specdec.store import find_redis_server
 from specdec.store.client import BACKOFF_BASE_S, BACKOFF_CAP_S, connect, retries_within
-from specdec.testing.tiny_models import TINY_EOS_ID
 
 CONTEXT = 512
 PROMPT = "Tell me a story."
@@ -104,18 +104,8 @@ def reference(dirs):
     return Reference(dirs["target"], CONTEXT)
 
 
-def expected(reference: Reference, n: int, prompt: str = PROMPT) -> list[int]:
-    out = reference.continuation(reference.prompt_ids(prompt), n)
-    return out[: out.index(TINY_EOS_ID) + 1] if TINY_EOS_ID in out else out
-
-
-async def read_some(call, count: int) -> list:
-    got = []
-    async for message in call:
-        got.append(message)
-        if len(got) == count:
-            break
-    return got
+def expected(reference: Reference, n: int) -> list[int]:
+    return harness_expected(reference, reference.prompt_ids(PROMPT), n)
 
 
 def test_the_retry_window_counts_backoff_waits():
