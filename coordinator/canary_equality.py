@@ -18,7 +18,6 @@ counted, and a rollback only when too many are (policy).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
@@ -34,6 +33,7 @@ from specdec.sampling.params import SamplingMode
 from specdec.store import SessionStore
 
 from coordinator.canary_policy import EqualityResult
+from coordinator.failover import backoff
 from coordinator.requests import Pool
 from coordinator.routing import TARGET, Router
 
@@ -144,8 +144,7 @@ class EqualityChecker:
             except CacheFull:
                 if time.monotonic() >= deadline:
                     raise
-                await asyncio.sleep(delay)
-                delay = min(2 * delay, 1.0)
+                delay = await backoff(delay)
 
     async def _is_exact(self, endpoint: str) -> bool:
         """Whether the target computes in fp32, or batch-invariantly (--batch-invariant: a verify

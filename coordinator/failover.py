@@ -35,6 +35,12 @@ log = logging.getLogger(__name__)
 RECOVERABLE = (ServiceUnavailable, SessionNotFound, PositionMismatch, CacheFull)
 
 
+async def backoff(delay: float) -> float:
+    """Wait `delay` seconds before a retry; the next retry's delay (doubling, at most 1 s)."""
+    await asyncio.sleep(delay)
+    return min(2 * delay, 1.0)
+
+
 def _log_recovery(session_id: str, endpoint: str, exc: Exception) -> None:
     # Waiting for a KV slot is load, not a fault: a queue of sessions would otherwise log every retry.
     level = logging.DEBUG if isinstance(exc, CacheFull) else logging.WARNING
@@ -177,12 +183,10 @@ class SessionTarget:
         `delay`), rebuild the session; the delay before the next such retry."""
         await self.guard()
         if isinstance(error, CacheFull):  # nothing to rebuild: the replica holds the session, or will
-            await asyncio.sleep(delay)
-            return min(2 * delay, 1.0)
+            return await backoff(delay)
         if isinstance(error, ServiceUnavailable):
             await self._move()
-            await asyncio.sleep(delay)
-            delay = min(2 * delay, 1.0)
+            delay = await backoff(delay)
         await recover(error)
         return delay
 

@@ -21,7 +21,7 @@ import redis
 
 from coordinator_harness import Reference, read_some, request, running_coordinator, tokens_of
 from coordinator_harness import expected as harness_expected
-from service_procs import launch, stop_all, tiny_model_dir, wait_all
+from service_procs import launch, stop_all, wait_all
 from specdec.client import AsyncClient, Client
 from specdec.rpc import coordinator_pb2 as pb
 from specdec.store import find_redis_server
@@ -79,9 +79,9 @@ def store_server(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    base = tmp_path_factory.getbasetemp()
-    return {"target": tiny_model_dir(base, "target", seed=0), "random": tiny_model_dir(base, "draft", seed=1)}
+def dirs(models):
+    target, random_draft = models
+    return {"target": target, "random": random_draft}
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import asyncio
 import pytest
 
 from coordinator_harness import Reference, running_coordinator, tokens_of
-from service_procs import launch, stop_all, tiny_model_dir, wait_all
+from service_procs import launch, stop_all, wait_all
 from specdec.engine.target import TargetEngine
 from specdec.errors import CacheFull
 from specdec.models.loader import load_model
@@ -24,8 +24,8 @@ TOKENS = 40
 
 
 @pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.getbasetemp(), "target", seed=0)
+def target_dir(models):
+    return models[0]
 
 
 def test_a_session_used_lately_keeps_its_slot(target_dir):

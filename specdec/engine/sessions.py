@@ -72,7 +72,7 @@ class SessionTable(Generic[S]):
         recently used first."""
         used_before = self._clock() - idle_s
         for state in list(self._sessions.values()):
-            if state.slot is not None and state.in_use == 0 and (idle_s <= 0 or state.last_used <= used_before):
+            if state.slot is not None and state.in_use == 0 and state.last_used <= used_before:
                 yield state
 
     def expired(self) -> list[S]:
