@@ -182,8 +182,13 @@ class SessionTarget:
         """Before a retry: stop if the turn must, leave a replica that did not answer (after
         `delay`), rebuild the session; the delay before the next such retry."""
         await self.guard()
-        if isinstance(error, CacheFull):  # nothing to rebuild: the replica holds the session, or will
-            return await backoff(delay)
+        if isinstance(error, CacheFull):
+            # The session holds no slot there (new, or evicted), so a replica with a free one costs
+            # no more than this one would: the same prefill, now instead of after the wait.
+            if not await self._spill():
+                return await backoff(delay)
+            await recover(error)
+            return delay
         if isinstance(error, ServiceUnavailable):
             await self._move()
             delay = await backoff(delay)
@@ -198,8 +203,25 @@ class SessionTarget:
             raise NoReplica("no target replica is available; retry later")
         if endpoint != self.endpoint:
             log.warning("session %s moves from target %s to %s", self.session_id, self.endpoint, endpoint)
-            self.endpoint = endpoint
-            self.on_moved(endpoint)
+            self._switch(endpoint)
+
+    async def _spill(self) -> bool:
+        """Leave a replica that has no free KV slot for one that is not known to be full, if any;
+        False when there is none (the session then waits for a slot where it is)."""
+        self.router.full(self.endpoint)
+        endpoint = await self.router.choose_target(self.pool)
+        if endpoint in (None, self.endpoint) or self.router.is_full(endpoint) or self.router.is_avoided(endpoint):
+            return False
+        log.info("session %s: target %s has no free KV slot; moves to %s", self.session_id, self.endpoint, endpoint)
+        full = self.client
+        self._switch(endpoint)
+        with contextlib.suppress(SpecDecError):  # it keeps the tokens without a slot until its idle TTL
+            await full.end_session(self.session_id)
+        return True
+
+    def _switch(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.on_moved(endpoint)
 
     async def _realign(self, error: Exception, position: int) -> None:
         tokens = list(self.committed())[:position]

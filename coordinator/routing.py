@@ -6,7 +6,8 @@ registry in Redis (kind "target" / "draft", pools "speculative" / "baseline"; a 
 uses baseline targets, or speculative ones when the baseline pool has none). New sessions go to
 the least loaded live replica; a session sticks to the endpoints in its record while those are
 live. An endpoint that failed is avoided for a while, unless nothing else is left (it may be
-the same replica, restarted). A draft is paired with a target only if their vocab fingerprints
+the same replica, restarted); one that refused a session for want of a KV slot (CacheFull) is
+ranked after the others for a shorter while, so new and spilled sessions go where there is room. A draft is paired with a target only if their vocab fingerprints
 (GetInfo) are equal; an incompatible draft is refused once, with a log line, and never used.
 """
 
@@ -44,6 +45,7 @@ class Router:
         baseline_targets: Iterable[str] = (),
         registry: ReplicaRegistry | None = None,
         avoid_failed_s: float = 5.0,
+        full_for_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
         use_drafts: bool = True,
     ):
@@ -53,10 +55,12 @@ class Router:
         self.use_drafts = use_drafts  # False: sessions draft inside the target (--draft target:...)
         self.registry = registry
         self.avoid_failed_s = avoid_failed_s
+        self.full_for_s = full_for_s  # about a target's --evict-after: when a kept slot may free up
         self.clock = clock
         self._clients: dict[tuple[str, str], object] = {}
         self._descriptions: dict[tuple[str, str], object] = {}
         self._failed_at: dict[str, float] = {}
+        self._full_at: dict[str, float] = {}
         self._sessions: collections.Counter[str] = collections.Counter()  # turns running here
         self._refused: set[tuple[str, str]] = set()  # (draft endpoint, target fingerprint) pairs
 
@@ -98,6 +102,14 @@ class Router:
         failed_at = self._failed_at.get(endpoint)
         return failed_at is not None and self.clock() - failed_at < self.avoid_failed_s
 
+    def full(self, endpoint: str) -> None:
+        """The target refused a session for want of a KV slot (CacheFull): rank it last for a while."""
+        self._full_at[endpoint] = self.clock()
+
+    def is_full(self, endpoint: str) -> bool:
+        full_at = self._full_at.get(endpoint)
+        return full_at is not None and self.clock() - full_at < self.full_for_s
+
     def acquire(self, *endpoints: str) -> None:
         """A turn started on these endpoints (the load of static replicas)."""
         self._sessions.update(e for e in endpoints if e)
@@ -114,7 +126,7 @@ class Router:
             found = [Candidate(e, float(self._sessions[e])) for e in static]
         else:
             found = await self._registered(kind, pool)
-        return sorted(found, key=lambda c: (self.is_avoided(c.endpoint), c.load))
+        return sorted(found, key=lambda c: (self.is_avoided(c.endpoint), self.is_full(c.endpoint), c.load))
 
     async def _registered(self, kind: str, pool: Pool) -> list[Candidate]:
         pools = [pool.value] if kind == DRAFT else [pool.value, Pool.SPECULATIVE.value]
@@ -146,7 +158,8 @@ class Router:
         return self._static[kind]
 
     async def choose_target(self, pool: Pool, sticky: str = "") -> str | None:
-        """The session's recorded target if it is live, else the least loaded one."""
+        """The session's recorded target if it is live, else the least loaded one (one that lately
+        had no free KV slot only when every other one failed or had none either)."""
         if sticky and not self.is_avoided(sticky) and await self.is_live(TARGET, pool, sticky):
             return sticky
         found = await self.candidates(TARGET, pool)

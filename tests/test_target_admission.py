@@ -2,7 +2,7 @@
 target refuses with CacheFull, the coordinator retries) instead of evicting sessions that return
 next cycle. Before, LRU evicted exactly the session needed next, and every cycle re-prefilled one:
 throughput fell several-fold past --num-slots concurrent sessions (a launched default pair: 56 tok/s
-at 8 sessions, 9 at 20)."""
+at 8 sessions, 9 at 20). With another replica that has room, the session goes there instead of waiting."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from coordinator_harness import Reference, running_coordinator, tokens_of
+from coordinator_harness import Reference, read_some, request, running_coordinator, tokens_of
 from service_procs import launch, stop_all, wait_all
 from specdec.engine.target import TargetEngine
 from specdec.errors import CacheFull
@@ -47,11 +47,12 @@ def test_a_session_used_lately_keeps_its_slot(target_dir):
 @pytest.fixture(scope="module")
 def services(target_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("admission-logs")
+    # 10 ms a forward, so that a turn lasts while the others wait; the draft is the target itself
+    target = ["--model", str(target_dir), "--max-context", str(CONTEXT), "--num-slots", str(SLOTS),
+              "--evict-after", "1", "--test-delay-ms", "10", "--plaintext"]
     procs = {
-        # 10 ms a forward, so that a turn lasts while the others wait; the draft is the target itself
-        "target": launch("target_service", ["--model", str(target_dir), "--max-context", str(CONTEXT),
-                                            "--num-slots", str(SLOTS), "--evict-after", "1",
-                                            "--test-delay-ms", "10", "--plaintext"], log_dir=logs),
+        "target": launch("target_service", target, log_dir=logs),
+        "spare": launch("target_service", target, log_dir=logs),  # only the spill test uses it
         "draft": launch("draft_service", ["--model", str(target_dir), "--plaintext"], log_dir=logs),
     }
     wait_all(*procs.values())
@@ -73,3 +74,26 @@ async def test_sessions_past_the_slots_wait_instead_of_thrashing(redis_url, targ
                      if line.startswith("specdec_target_evictions_total"))
     # Each session is evicted at most once, after its turn; thrashing evicts one every cycle (dozens).
     assert evictions <= SESSIONS, f"{evictions} evictions for {SESSIONS} sessions on {SLOTS} slots"
+
+
+async def test_a_session_without_a_slot_moves_to_a_replica_with_room(redis_url, target_dir, services):
+    """Another coordinator's turns hold every slot of the first target (as coordinators that all saw
+    it least loaded would); a new session there is refused a slot and starts on the spare at once."""
+    reference = Reference(target_dir, CONTEXT)
+    full, spare = services["target"].address, services["spare"].address
+    async with running_coordinator(redis_url, target_dir, [full]) as holder, \
+            running_coordinator(redis_url, target_dir, [full, spare]) as c:  # lists the full one first
+        holding = [holder.stub.Generate(request(prompt=f"Hold slot {i}.", max_new_tokens=200, ignore_eos=True))
+                   for i in range(SLOTS)]
+        held = [await read_some(call, 1) for call in holding]  # both turns run: every slot is kept
+        answer = await c.generate(prompt="A new story.", max_new_tokens=TOKENS, ignore_eos=True)
+        moved_to = (await c.session(answer[0].session_id)).target_replica
+        still_running = [not call.done() for call in holding]
+        for call, first in zip(holding, held):
+            first += [m async for m in call]
+    assert tokens_of(answer) == reference.continuation(reference.prompt_ids("A new story."), TOKENS)
+    assert moved_to == spare
+    assert all(still_running), "the new session should not have waited for the holders' turns to end"
+    for i, got in enumerate(held):
+        prompt = f"Hold slot {i}."
+        assert tokens_of(got) == reference.continuation(reference.prompt_ids(prompt), 200)
