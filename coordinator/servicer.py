@@ -24,13 +24,14 @@ from coordinator.convert import message_to_proto, request_from_proto, session_to
 from coordinator.failover import NoReplica
 from coordinator.sessions import SessionManager
 from coordinator.stream import StreamInterrupted
-from coordinator.turn import TurnStopped
+from coordinator.turn import SessionRecordLost, TurnStopped
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CoordinatorService"].full_name
 
 ERROR_CODES = {
     TurnInProgress: grpc.StatusCode.FAILED_PRECONDITION,
     TurnStopped: grpc.StatusCode.ABORTED,
+    SessionRecordLost: grpc.StatusCode.DATA_LOSS,
     VersionConflict: grpc.StatusCode.ABORTED,
     SchemaMismatch: grpc.StatusCode.FAILED_PRECONDITION,
     NoReplica: grpc.StatusCode.UNAVAILABLE,

@@ -32,6 +32,10 @@ from coordinator.stream import StreamMessage, TextStream, TurnStream, stats_from
 from coordinator.telemetry import RequestClock, Telemetry
 from coordinator.turn import StopRequest, Turn, TurnSettings
 
+# How long an ended session's record stays as a tombstone: longer than any turn elsewhere takes to
+# notice (its next write is refused at once; a turn waiting for a replica checks before each retry).
+ENDED_KEEP_S = 120.0
+
 log = logging.getLogger(__name__)
 
 
@@ -212,7 +216,7 @@ class SessionManager:
         if local is not None:
             await self._stop_local(local, StopRequest.CANCEL)
         await self._free_caches(record, session_id)
-        await self.store.delete(session_id)
+        await self.store.retire(session_id, ENDED_KEEP_S)
         return True
 
     async def get(self, session_id: str) -> SessionView:

@@ -52,6 +52,19 @@ class TurnStopped(SpecDecError):
         self.taken_over = taken_over
 
 
+class SessionRecordLost(SpecDecError):
+    """The session's record vanished from Redis mid-turn (maps to DATA_LOSS). An ended session
+    leaves a tombstone, so this is data loss: Redis restarted without persistence, or evicted or
+    expired the key."""
+
+    def __init__(self, session_id: str):
+        super().__init__(
+            f"the record of session {session_id!r} disappeared from Redis during the turn (Redis lost its "
+            "data, or evicted or expired the key); the tokens already streamed are all that was generated: "
+            "start a new session (and give Redis persistence and no eviction policy; DEPLOYMENT.md)"
+        )
+
+
 class TurnStop(StopChecker):
     """A StopChecker that also ends the turn on request, at the next cycle boundary (the loop then
     leaves both caches holding exactly the committed sequence)."""
@@ -168,7 +181,9 @@ class Turn:
     async def check_owner(self) -> None:
         """Raise TurnStopped unless the record still says this stream generates the turn."""
         record = await self.store.get(self.plan.session_id)
-        if record is None or record.status is SessionStatus.ENDED:
+        if record is None:
+            raise SessionRecordLost(self.plan.session_id)
+        if record.status is SessionStatus.ENDED:
             raise TurnStopped(f"session {self.plan.session_id!r} was ended")
         if record.status is SessionStatus.CANCELLED:
             raise TurnStopped(f"session {self.plan.session_id!r} was cancelled")
@@ -285,27 +300,32 @@ class Turn:
                         interrupted=how is StopRequest.INTERRUPT)
 
     async def _after_error(self, exc: Exception) -> Finished | Failed:
-        stopped = exc if isinstance(exc, TurnStopped) else await self._stopped_elsewhere(exc)
-        if stopped is not None:
-            log.info("session %s: %s", self.plan.session_id, stopped)
-            if stopped.taken_over:
-                return Failed(stopped)
+        if isinstance(exc, (VersionConflict, SessionNotFound)):  # a write was refused: ask the record why
+            exc = await self._why_refused(exc)
+        if isinstance(exc, TurnStopped):
+            log.info("session %s: %s", self.plan.session_id, exc)
+            if exc.taken_over:
+                return Failed(exc)
             await self.free_caches()  # the canceller freed them too; a rebuild may have raced it
             return Finished(FinishReason.CANCELLED, SpeculationStats(), self.observer.proposer)
+        if isinstance(exc, SessionRecordLost):  # nothing is left to resume: free the caches too
+            log.error("session %s: %s", self.plan.session_id, exc)
+            await self.free_caches()
+            return Failed(exc)
         log.warning("session %s: turn failed: %r", self.plan.session_id, exc)
         await self._abandon()
         return Failed(exc)
 
-    async def _stopped_elsewhere(self, exc: Exception) -> TurnStopped | None:
-        if not isinstance(exc, (VersionConflict, SessionNotFound)):
-            return None
+    async def _why_refused(self, exc: Exception) -> Exception:
+        """The reason behind a refused write: the turn was stopped or taken over, the record was
+        lost, or (none of these, or Redis unreachable) the refusal itself."""
         try:
             await self.check_owner()
-        except TurnStopped as stopped:
-            return stopped
+        except (TurnStopped, SessionRecordLost) as why:
+            return why
         except Exception:  # noqa: BLE001 - Redis unreachable: report the original error
-            return None
-        return None
+            return exc
+        return exc
 
     async def _abandon(self) -> None:
         """Leave the session resumable: no owner (INTERRUPTED), caches where they are. A new

@@ -22,6 +22,7 @@ from specdec.models.tokenizer import encode_continuation
 from specdec.rpc import common_pb2
 from specdec.rpc import coordinator_pb2 as pb
 from specdec.server.settings import ClientSettings, TracingSettings
+from specdec.store import SessionStatus
 from specdec.testing.certs import make_test_certificates
 from specdec.testing.tiny_models import TINY_EOS_ID
 from target_service.client import connect as target_connect
@@ -295,6 +296,32 @@ async def test_end_session_forgets_it(redis_url, dirs, services):
             with pytest.raises(grpc.aio.AioRpcError) as missing:
                 await call
             assert missing.value.code() == Code.NOT_FOUND and "unknown or has ended" in missing.value.details()
+
+
+
+async def test_a_stream_ended_elsewhere_is_cancelled_and_one_whose_record_vanished_is_data_loss(
+        redis_url, dirs, services):
+    prefix = f"tombstone{time.monotonic_ns()}"
+    async with coordinator(redis_url, dirs, services, "random", prefix=prefix) as a, \
+            coordinator(redis_url, dirs, services, "random", prefix=prefix) as b:
+        # EndSession through another coordinator: the record stays as an "ended" tombstone, so the
+        # stream on the first one ends as cancelled.
+        call = a.stub.Generate(request(prompt=PROMPTS[0], max_new_tokens=200))
+        got = await read_some(call, 3)
+        assert (await b.stub.EndSession(pb.CoordinatorServiceEndSessionRequest(session_id=got[0].session_id))).existed
+        got += [m async for m in call]
+        assert got[-1].finish_reason == pb.FINISH_REASON_CANCELLED
+        tombstone = await a.store.get(got[0].session_id)
+        assert tombstone.status is SessionStatus.ENDED and tombstone.length == 0
+        # The record vanishing (Redis restarted empty, an evicted key) is not an EndSession: the client
+        # learns that the session is lost.
+        call = a.stub.Generate(request(prompt=PROMPTS[1], max_new_tokens=200))
+        got = await read_some(call, 3)
+        assert await a.store.delete(got[0].session_id)
+        with pytest.raises(grpc.aio.AioRpcError) as lost:
+            async for _ in call:
+                pass
+        assert lost.value.code() == Code.DATA_LOSS and "disappeared from Redis" in lost.value.details()
 
 
 BAD_INPUT = [

@@ -188,6 +188,16 @@ class SessionStore:
         return bool(found)
 
     @translated
+    async def retire(self, session_id: str, keep_s: float) -> bool:
+        """After end(): drop the tokens, keep the ended record as a tombstone for keep_s seconds, so
+        that a turn still running elsewhere reads "ended" rather than finding nothing (which only
+        data loss causes). False if there was no record."""
+        hash_key, list_key = self.keys(session_id)
+        async with self.client.pipeline(transaction=True) as pipe:
+            _, kept = await pipe.delete(list_key).pexpire(hash_key, max(1, int(keep_s * 1000))).execute()
+        return bool(kept)
+
+    @translated
     async def delete(self, session_id: str) -> bool:
         """Remove both keys now; False if there was nothing to remove."""
         hash_key, list_key = self.keys(session_id)
