@@ -139,7 +139,7 @@ class SessionTarget:
                 return
             except RECOVERABLE as exc:
                 if self.clock() >= deadline:
-                    raise
+                    raise self._gave_up(exc) from exc
                 _log_recovery(self.session_id, self.endpoint, exc)
                 error = exc
 
@@ -174,9 +174,19 @@ class SessionTarget:
                 return await call(self.client)
             except RECOVERABLE as exc:
                 if self.clock() >= deadline:
-                    raise
+                    raise self._gave_up(exc) from exc
                 _log_recovery(self.session_id, self.endpoint, exc)
                 error = exc
+
+    def _gave_up(self, exc: Exception) -> Exception:
+        """The error a client sees once failover_timeout_s has passed: what happened, in its terms."""
+        if not isinstance(exc, ServiceUnavailable):
+            return exc  # CacheFull's and the others' own messages say what to do
+        return ServiceUnavailable(
+            f"no target replica answered for session {self.session_id!r} within {self.failover_timeout_s:g} s "
+            f"(--failover-timeout; last tried {self.endpoint}: {exc}); every token streamed is recorded: "
+            "resume the stream (ResumeStream) or retry once a target replica is back"
+        )
 
     async def _recover(self, error: Exception, recover, delay: float) -> float:
         """Before a retry: stop if the turn must, leave a replica that did not answer (after

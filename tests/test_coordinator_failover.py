@@ -196,3 +196,24 @@ async def test_kill_9_of_one_of_two_targets_mid_stream_moves_the_session(redis_u
     assert tokens_of(got) == expected(reference, 80)
     assert got[-1].finish_reason in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_EOS)
     assert after in targets and after != before
+
+
+async def test_a_lone_target_that_dies_ends_the_stream_unavailable_saying_what_to_do(
+        redis_url, dirs, reference, tmp_path):
+    lone = launch("target_service", ["--model", str(dirs["target"]), "--max-context", str(CONTEXT),
+                                     "--test-delay-ms", "5", "--plaintext"], log_dir=tmp_path)
+    wait_all(lone)
+    try:
+        async with running_coordinator(redis_url, dirs["target"], [lone.address], failover_timeout_s=1.0) as c:
+            call = c.stub.Generate(request(prompt=PROMPT, max_new_tokens=80))
+            got = await read_some(call, 3)
+            lone.kill()
+            with pytest.raises(grpc.aio.AioRpcError) as cut:
+                async for message in call:
+                    got.append(message)
+    finally:
+        stop_all(lone)
+    assert cut.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "no target replica answered" in cut.value.details() and "within 1 s" in cut.value.details()
+    assert "ResumeStream" in cut.value.details()
+    assert tokens_of(got) == expected(reference, 80)[:len(tokens_of(got))]
