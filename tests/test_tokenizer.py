@@ -52,6 +52,16 @@ def test_malformed_message_is_refused(tokenizer):
         encode_prompt(tokenizer, messages=[{"role": "user"}])
 
 
+def test_messages_the_template_refuses_are_invalid_arguments(default_target_dir):
+    tokenizer = load_tokenizer(default_target_dir)
+    tokenizer.chat_template = (  # as Llama-2 / Mistral templates do for conversations out of order
+        "{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+        "{{ raise_exception('Unknown role: ' + m['role']) }}{% endif %}{{ m['content'] }}{% endfor %}"
+    )
+    with pytest.raises(InvalidArgument, match="chat template refused these messages: Unknown role: wizard"):
+        encode_prompt(tokenizer, messages=[{"role": "wizard", "content": "hi"}])
+
+
 def test_eos_ids_contain_im_end(tokenizer, default_target_dir):
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert im_end in eos_token_ids(tokenizer, default_target_dir)

@@ -11,6 +11,7 @@ import hashlib
 import json
 from pathlib import Path
 
+import jinja2
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from specdec.errors import IncompatibleModels, InvalidArgument
@@ -185,9 +186,12 @@ def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict], add_genera
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
                 or not isinstance(message.get("content"), str):
             raise InvalidArgument(f"a chat message is a dict with string 'role' and 'content', got {message!r}")
-    return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt
-    )
+    try:
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+    except jinja2.TemplateError as exc:  # raise_exception() in the template: roles, order, content rules
+        raise InvalidArgument(f"the target's chat template refused these messages: {exc}") from exc
 
 
 def _encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
