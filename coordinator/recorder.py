@@ -12,6 +12,10 @@ starts when the previous one has finished and names the version that one produce
 
 While the loop is slow (long cycles) a heartbeat keeps the record fresh, so other coordinators
 can tell a live turn from one whose coordinator died (state.owner_is_live).
+
+Every write names the turn's owner as its writer, so a write that Redis applied but whose reply
+was lost with the connection, and that the Redis client then sent again, is answered as applied
+instead of failing the version fence on the version it produced (SessionStore._head).
 """
 
 from __future__ import annotations
@@ -32,9 +36,11 @@ def _retrieve(task: asyncio.Task) -> None:
 
 
 class Recorder:
-    def __init__(self, store: SessionStore, session_id: str, version: int, length: int, heartbeat_s: float):
+    def __init__(self, store: SessionStore, session_id: str, version: int, length: int, heartbeat_s: float,
+                 writer: str = ""):
         self.store = store
         self.session_id = session_id
+        self.writer = writer  # the turn's owner
         self.version = version  # after the last completed write
         self.length = length  # committed tokens once every chained append is done
         self.heartbeat_s = heartbeat_s
@@ -55,7 +61,7 @@ class Recorder:
         return self._chain(
             lambda: self.store.append(
                 self.session_id, expected, tokens, expected_version=self.version, fields=fields,
-                stats_delta=stats_delta,
+                stats_delta=stats_delta, writer=self.writer,
             )
         )
 
@@ -63,7 +69,7 @@ class Recorder:
         """Write fields after every pending write (the turn's final state), and wait for it."""
         merged = {**self._fields, **fields}
         self._fields = {}
-        await self._chain(lambda: self.store.update(self.session_id, merged, expected_version=self.version))
+        await self._chain(lambda: self._update(merged))
 
     async def settled(self) -> None:
         """Until every chained write is done; raises the first refusal."""
@@ -80,6 +86,9 @@ class Recorder:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._heartbeat
             self._heartbeat = None
+
+    def _update(self, fields: dict[str, Any]) -> Awaitable[int]:
+        return self.store.update(self.session_id, fields, expected_version=self.version, writer=self.writer)
 
     def _chain(self, write: Callable[[], Awaitable[int]]) -> asyncio.Future:
         previous = self._last
@@ -100,6 +109,6 @@ class Recorder:
             await asyncio.sleep(self.heartbeat_s / 2)
             if time.monotonic() - self._last_write >= self.heartbeat_s:
                 try:
-                    await self._chain(lambda: self.store.update(self.session_id, {}, expected_version=self.version))
+                    await self._chain(lambda: self._update({}))
                 except Exception:  # the turn's own next write reports it
                     return

@@ -145,7 +145,8 @@ class Turn:
         self.start_verdicts = start_verdicts or draft_opening.StartVerdicts()  # the coordinator's
         self.queue: asyncio.Queue = asyncio.Queue()  # bounded by the turn's token budget
         self.done = asyncio.Event()
-        self.recorder = Recorder(store, plan.session_id, plan.version, len(plan.tokens), settings.heartbeat_s)
+        self.recorder = Recorder(store, plan.session_id, plan.version, len(plan.tokens), settings.heartbeat_s,
+                                 writer=plan.owner)
         self.observer = TurnObserver(telemetry, plan.pool.value)
         # A draft that ended the previous turn cleanly holds the first draft_position committed
         # tokens; the loop's first Propose appends the rest (accept/rollback), no re-prefill.

@@ -123,6 +123,29 @@ async def test_versions_and_conflicts(store):
     assert await store.tokens("s") == PROMPT
 
 
+async def test_a_repeated_write_of_one_writer_is_applied_once(store):
+    """What redis-py's retry does when a connection drops after Redis applied a write: it sends the
+    same script again. Its writer's mark lets the repeat answer as the first time did."""
+    v1 = await store.create("s", _record(), PROMPT)
+    stats = SessionStats(cycles=1, drafted=4, accepted=2)
+    v2 = await store.append("s", 3, [7, 8], expected_version=v1, writer="owner-a", stats_delta=stats)
+    assert await store.append("s", 3, [7, 8], expected_version=v1, writer="owner-a", stats_delta=stats) == v2
+    record = await store.get("s")
+    assert record.version == v2 and await store.tokens("s") == PROMPT + [7, 8] and record.stats.cycles == 1
+    v3 = await store.truncate("s", 4, expected_version=v2, writer="owner-a")
+    assert await store.truncate("s", 4, expected_version=v2, writer="owner-a") == v3
+    v4 = await store.update("s", {"target_replica": "t2"}, expected_version=v3, writer="owner-a")
+    assert await store.update("s", {"target_replica": "t2"}, expected_version=v3, writer="owner-a") == v4
+    # The fence still holds: another writer, no writer, or a repeat after someone else wrote.
+    for writer in ("owner-b", ""):
+        with pytest.raises(VersionConflict):
+            await store.append("s", 4, [9], expected_version=v3, writer=writer)
+    await store.update("s", {"pool": "baseline"})  # someone else: v5
+    with pytest.raises(VersionConflict):
+        await store.update("s", {"target_replica": "t2"}, expected_version=v3, writer="owner-a")
+    assert await store.tokens("s") == PROMPT + [7]
+
+
 async def test_truncate(store):
     await store.create("s", _record(), PROMPT)
     await store.append("s", 3, [4, 5, 6])

@@ -135,16 +135,18 @@ class SessionStore:
         expected_version: int | None = None,
         fields: Mapping[str, Any] | None = None,
         stats_delta: SessionStats | None = None,
+        writer: str = "",
     ) -> int:
         """Commit token_ids at position expected_length (the list's length before them) and, in the
         same atomic step, set `fields` and add `stats_delta`. PositionMismatch carries the actual
-        length; nothing is written on any refusal. -> the new version"""
+        length; nothing is written on any refusal. With a writer (and expected_version), a repeat
+        of a write that was applied is answered as the first time (see _head). -> the new version"""
         field_items = self._pairs(encode_fields(fields or {}))
         counter_items = self._pairs((stats_delta or SessionStats()).to_fields(skip_zero=True))
         reply = await self._append(
             keys=self.keys(session_id),
             args=[
-                *self._head(expected_version),
+                *self._head(expected_version, writer),
                 int(expected_length),
                 len(field_items),
                 len(counter_items),
@@ -156,22 +158,23 @@ class SessionStore:
         return self._result(session_id, reply, expected_version, expected_length)[0]
 
     @translated
-    async def truncate(self, session_id: str, length: int, expected_version: int | None = None) -> int:
+    async def truncate(self, session_id: str, length: int, expected_version: int | None = None,
+                       writer: str = "") -> int:
         """Keep the first `length` tokens (a stop sequence found inside a recorded block). A length
         beyond the list is a PositionMismatch. -> the new version"""
         if length < 0:
             raise ValueError(f"length must be >= 0, got {length}")
         reply = await self._truncate(
-            keys=self.keys(session_id), args=[*self._head(expected_version), int(length)]
+            keys=self.keys(session_id), args=[*self._head(expected_version, writer), int(length)]
         )
         return self._result(session_id, reply, expected_version, length)[0]
 
     @translated
     async def update(
-        self, session_id: str, fields: Mapping[str, Any], expected_version: int | None = None
+        self, session_id: str, fields: Mapping[str, Any], expected_version: int | None = None, writer: str = ""
     ) -> int:
         """Set writable record fields atomically; VersionConflict if expected_version is stale."""
-        return await self._set(session_id, fields, expected_version, allow_ended=False)
+        return await self._set(session_id, fields, expected_version, allow_ended=False, writer=writer)
 
     @translated
     async def end(self, session_id: str) -> int:
@@ -206,18 +209,28 @@ class SessionStore:
         return bool(removed)
 
     async def _set(
-        self, session_id: str, fields: Mapping[str, Any], expected_version: int | None, allow_ended: bool
+        self, session_id: str, fields: Mapping[str, Any], expected_version: int | None, allow_ended: bool,
+        writer: str = "",
     ) -> int:
         items = self._pairs(encode_fields(fields))
         reply = await self._update(
             keys=self.keys(session_id),
-            args=[*self._head(expected_version), "1" if allow_ended else "0", len(items), *items],
+            args=[*self._head(expected_version, writer), "1" if allow_ended else "0", len(items), *items],
         )
         return self._result(session_id, reply, expected_version, None)[0]
 
-    def _head(self, expected_version: int | None) -> list[Any]:
-        """ARGV[1..3], common to every script: schema, TTL in ms, expected version ('' = any)."""
-        version = "" if expected_version is None else int(expected_version)
+    def _head(self, expected_version: int | None, writer: str = "") -> list[Any]:
+        """ARGV[1..3], common to every script: schema, TTL in ms, expected version ('' = any).
+
+        A writer's name travels with the expected version ('12|name'): the write marks the record
+        with both, so that the client library's retry of a write whose reply was lost with the
+        connection (redis-py resends it) is recognised as applied instead of failing the version
+        check on the version it produced itself (lua/common.lua)."""
+        if "|" in writer:
+            raise ValueError(f"a writer's name must not contain '|', got {writer!r}")
+        version = "" if expected_version is None else str(int(expected_version))
+        if writer and version:
+            version += "|" + writer
         return [SCHEMA, int(self.ttl_seconds * 1000), version]
 
     @staticmethod
