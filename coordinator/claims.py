@@ -92,7 +92,8 @@ class Claims:
         fields = {"status": SessionStatus.ACTIVE, "turns": record.turns + 1, "extra": turn.to_extra(),
                   "target_replica": target, "draft_replica": draft or ""}
         try:
-            version = await self.store.append(session_id, len(tokens), appended, record.version, fields)
+            version = await self.store.append(session_id, len(tokens), appended, record.version, fields,
+                                              writer=turn.owner)
         except (VersionConflict, PositionMismatch):
             raise TurnInProgress(_CHANGED.format(session_id)) from None
         plan = self._plan(session_id, record, turn, version, tokens + appended, target, draft, description)
@@ -102,7 +103,8 @@ class Claims:
         """Take over the unfinished latest turn (the caller checked that nobody generates it)."""
         turn = turn_of(record).with_owner(uuid.uuid4().hex)
         try:
-            version = await self.store.update(session_id, {"extra": turn.to_extra()}, record.version)
+            version = await self.store.update(session_id, {"extra": turn.to_extra()}, record.version,
+                                              writer=turn.owner)
         except VersionConflict:
             raise TurnInProgress(_CHANGED.format(session_id)) from None
         pool = Pool(record.pool)
