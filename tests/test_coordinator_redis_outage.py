@@ -1,7 +1,9 @@
 """The coordinator while Redis is away: a restart shorter than the retry window only delays a
 stream; a longer outage is UNAVAILABLE with a message that says what to do, and nothing is lost:
 the cut stream resumes once Redis is back and its output equals plain decoding, and another
-session is intact. The client library resumes such a stream by itself.
+session is intact. The client library resumes such a stream by itself. A write that Redis applied
+but whose reply was lost with the connection is sent again by the client's retry and recognised as
+applied (before, the version fence refused it and the stream ended with ABORTED).
 
 Redis here is a real redis-server of this module's own (append-only file on, as the chart runs it),
 stopped with SHUTDOWN SAVE and started again on the same port and directory.
@@ -222,3 +224,71 @@ async def test_the_client_library_gives_up_past_its_attempts(store_server, dirs,
                     if len(chunks) == 3:
                         store_server.stop()
     assert cut.value.code() == grpc.StatusCode.UNAVAILABLE and len(chunks) >= 3
+
+
+class ReplyDroppingProxy:
+    """A TCP proxy to Redis that, once armed, lets the next script call (EVALSHA) through, swallows
+    its reply and cuts that connection: Redis applied the write, the client never heard so."""
+
+    def __init__(self, port: int):
+        self.port, self.armed, self.dropped = port, False, 0
+        self.server: asyncio.base_events.Server | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/0"
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+
+    async def _serve(self, client_reader, client_writer) -> None:
+        redis_reader, redis_writer = await asyncio.open_connection("127.0.0.1", self.port)
+        script_sent = asyncio.Event()
+
+        async def upstream():
+            while data := await client_reader.read(65536):
+                if self.armed and b"EVALSHA" in data.upper():
+                    self.armed = False
+                    script_sent.set()
+                redis_writer.write(data)
+                await redis_writer.drain()
+
+        async def downstream():
+            while data := await redis_reader.read(65536):
+                if script_sent.is_set():  # the script's reply: lose it with the connection
+                    self.dropped += 1
+                    break
+                client_writer.write(data)
+                await client_writer.drain()
+
+        up = asyncio.ensure_future(upstream())
+        try:
+            await downstream()
+        finally:
+            up.cancel()
+            for writer in (client_writer, redis_writer):
+                writer.close()
+
+    async def close(self) -> None:
+        self.server.close()
+
+
+async def test_a_write_whose_reply_was_lost_is_not_applied_twice_and_the_stream_goes_on(
+    store_server, dirs, services, reference
+):
+    proxy = ReplyDroppingProxy(store_server.port)
+    await proxy.start()
+    try:
+        async with running_coordinator(proxy.url, dirs["target"], [services["target"].address],
+                                       [services["draft"].address]) as c:
+            call = c.stub.Generate(request(prompt=PROMPT, max_new_tokens=TOKENS))
+            got = await read_some(call, 3)
+            proxy.armed = True  # the turn's next append (or heartbeat) is applied, its reply lost
+            got += [m async for m in call]
+            recorded = await c.tokens(got[0].session_id)
+    finally:
+        await proxy.close()
+    assert proxy.dropped == 1
+    assert got[-1].finish_reason in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_EOS)
+    assert tokens_of(got) == expected(reference, TOKENS)
+    assert recorded == reference.prompt_ids(PROMPT) + tokens_of(got)
