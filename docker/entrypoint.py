@@ -24,6 +24,7 @@ MODULES = {
     "specdec": "specdec.cli",
 }
 DEFAULT_TARGET = "smollm2-135m-instruct"
+DEFAULT_DRAFT = "smollm2-135m-draft"  # the services' own defaults (registry.DEFAULT_*; this file imports no torch)
 log = logging.getLogger("specdec.entrypoint")
 
 
@@ -46,7 +47,7 @@ def model_refs(module: str, args: list[str]) -> list[str]:
     if module == "draft_service":
         refs = [flag(args, "--tokenizer") or env("SPECDEC_DRAFT_TOKENIZER")]
         if (flag(args, "--proposer") or env("SPECDEC_DRAFT_PROPOSER") or "draft-model") == "draft-model":
-            refs.append(flag(args, "--model") or env("SPECDEC_DRAFT_MODEL"))
+            refs.append(flag(args, "--model") or env("SPECDEC_DRAFT_MODEL") or DEFAULT_DRAFT)
         return [r for r in refs if r]
     if module == "coordinator":
         return [flag(args, "--tokenizer") or env("SPECDEC_TOKENIZER") or DEFAULT_TARGET]

@@ -1,6 +1,7 @@
 """`python -m draft_service` / `specdec serve draft`: host a proposer and serve DraftService.
 
-    --proposer draft-model --model NAME_OR_DIR    a small causal LM with the target's tokenizer
+    --proposer draft-model [--model NAME_OR_DIR]  a small causal LM with the target's tokenizer (default:
+                                                  smollm2-135m-draft, the default target's draft)
     --proposer ngram [--ngram-max N --ngram-min N] prompt lookup, no weights; pass --tokenizer (the
                                                   target's directory) so GetInfo reports its vocab
                                                   fingerprint and the coordinator can pair them
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdec.models.reduced_head import parse_head_vocab
+from specdec.models.registry import DEFAULT_DRAFT
 from specdec.server import service
 from specdec.server.settings import ConfigError, ServerSettings, add_server_arguments, server_settings_from_args
 from specdec.server.tokenizer_info import tokenizer_facts
@@ -90,8 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     env = os.environ.get
     g = parser.add_argument_group("proposer")
     g.add_argument("--proposer", choices=PROPOSERS, default=env("SPECDEC_DRAFT_PROPOSER", "draft-model"))
-    g.add_argument("--model", default=env("SPECDEC_DRAFT_MODEL"),
-                   help="draft model: registry name or Hugging Face directory (--proposer draft-model)")
+    g.add_argument("--model", default=env("SPECDEC_DRAFT_MODEL", DEFAULT_DRAFT),
+                   help="draft model: registry name or Hugging Face directory (--proposer draft-model; "
+                        "default: %(default)s, the default target's)")
     g.add_argument("--tokenizer", default=env("SPECDEC_DRAFT_TOKENIZER"),
                    help="registry name or directory whose tokenizer GetInfo describes (default: the model's; "
                         "for ngram pass the target's)")

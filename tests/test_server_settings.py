@@ -127,6 +127,16 @@ def test_model_services_take_compile_layers():
         assert to_settings(parser().parse_args([*base, "--compile-layers"])).compile_layers
 
 
+def test_model_services_default_to_the_default_pair(monkeypatch):
+    from draft_service.main import build_parser as draft_parser, settings_from_args as draft_settings
+    from target_service.main import build_parser as target_parser, settings_from_args as target_settings
+
+    for name in ("SPECDEC_TARGET_MODEL", "SPECDEC_DRAFT_MODEL"):
+        monkeypatch.delenv(name, raising=False)
+    assert target_settings(target_parser().parse_args(["--plaintext"])).model == "smollm2-135m-instruct"
+    assert draft_settings(draft_parser().parse_args(["--plaintext"])).model == "smollm2-135m-draft"
+
+
 def test_model_services_warm_up_cuda_graphs_unless_told_or_compiling():
     """--graph-warmup-context: 1024 tokens by default, none with --compile-layers, never negative."""
     from draft_service.main import build_parser as draft_parser, settings_from_args as draft_settings
