@@ -27,7 +27,7 @@ import grpc
 import grpc.aio
 from google.protobuf import json_format
 
-from specdec.rpc import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from specdec.rpc import RECONNECT_BACKOFF, common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 _POOLS = {None: 0, "baseline": 1, "speculative": 2}
 _MODES = {"rejection": common_pb2.SAMPLING_MODE_REJECTION, "gumbel": common_pb2.SAMPLING_MODE_GUMBEL}
@@ -168,7 +168,7 @@ class AsyncClient(_Options):
         super().__init__(address, **options)
         make = grpc.aio.insecure_channel if self.credentials is None else grpc.aio.secure_channel
         args = (address,) if self.credentials is None else (address, self.credentials)
-        self.channel = make(*args)
+        self.channel = make(*args, options=RECONNECT_BACKOFF)  # resumes reach a restarted coordinator
         self.stub = coordinator_pb2_grpc.CoordinatorServiceStub(self.channel)
 
     async def stream(self, prompt: str | None = None, **kwargs) -> AsyncIterator[Chunk]:
@@ -221,8 +221,8 @@ class Client(_Options):
 
     def __init__(self, address: str, **options):
         super().__init__(address, **options)
-        self.channel = (grpc.insecure_channel(address) if self.credentials is None
-                        else grpc.secure_channel(address, self.credentials))
+        self.channel = (grpc.insecure_channel(address, options=RECONNECT_BACKOFF) if self.credentials is None
+                        else grpc.secure_channel(address, self.credentials, options=RECONNECT_BACKOFF))
         self.stub = coordinator_pb2_grpc.CoordinatorServiceStub(self.channel)
 
     def stream(self, prompt: str | None = None, **kwargs) -> Iterator[Chunk]:

@@ -35,6 +35,7 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specdec.rpc import RECONNECT_BACKOFF
 from specdec.store import Replica, ReplicaRegistry
 
 log = logging.getLogger("specdec.registrar")
@@ -106,7 +107,7 @@ class Registrar:
         )
         self.registered = False
         self.draining = False
-        self._channel = grpc.aio.insecure_channel(settings.health_address)
+        self._channel = grpc.aio.insecure_channel(settings.health_address, options=RECONNECT_BACKOFF)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     async def status(self) -> int | None:

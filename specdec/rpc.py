@@ -19,6 +19,12 @@ from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc  # noqa: E402
 from specdec.v1 import draft_pb2, draft_pb2_grpc  # noqa: E402
 from specdec.v1 import target_pb2, target_pb2_grpc  # noqa: E402
 
+# Channel options for every channel to a service that may restart: reconnects back off from 0.25 s
+# to at most 2 s instead of gRPC's default 1 s growing to 120 s. With the default, a replica that
+# was down for a minute or two (a pod restart loading its model) was found up to a minute after it
+# served again: a registrar registered it that late, and every call in between failed at once.
+RECONNECT_BACKOFF = (("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 2_000))
+
 # Trailing metadata of a FAILED_PRECONDITION position or epoch mismatch (decimal ASCII values): the
 # session's actual position and, from the draft service, its newest live proposal's epoch.
 ACTUAL_POSITION_KEY = "specdec-actual-position"

@@ -4,6 +4,7 @@ registry: SERVING registers, NOT_SERVING drains, gone removes, stopping drains t
 from __future__ import annotations
 
 import asyncio
+import socket
 import uuid
 
 import grpc.aio
@@ -63,6 +64,39 @@ async def test_registration_follows_health(redis_url):
     finally:
         stop.set()
         await server.stop(0)
+        await client.aclose()
+
+
+async def test_a_service_that_starts_late_is_registered_within_seconds_of_serving(redis_url):
+    """A pod's registrar starts with it, long before a big model has loaded. gRPC's default
+    reconnect backoff (1 s, x1.6, up to 120 s) then kept the channel waiting: a service up after
+    2 minutes was registered 66 s later. Reconnects now back off to at most 2 s."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    prefix = f"reg{uuid.uuid4().hex[:8]}"
+    settings = RegistrarSettings(
+        redis_url=redis_url, redis_prefix=prefix, kind="target", pool="speculative", replica_id="late-0",
+        endpoint=f"127.0.0.1:{port}", health_address=f"127.0.0.1:{port}", lease_s=1.5,
+    )
+    client = redis.Redis.from_url(redis_url)
+    registry = ReplicaRegistry(client, prefix)
+    stop = asyncio.Event()
+    task = asyncio.create_task(run_registrar(settings, stop))
+    server = grpc.aio.server()
+    try:
+        # Nothing listens for 17 s: the default backoff tries at about 1, 2.6, 5.2, 9.3, 15.8 and 26.3 s
+        # (each +-20%), so it would find the service 7-12 s after it serves.
+        await asyncio.sleep(17.0)
+        servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        await eventually(lambda: _is(registry, pool="speculative", replica_id="late-0", draining=False), timeout_s=4.0)
+    finally:
+        stop.set()
+        await server.stop(0)
+        await asyncio.wait_for(task, 5.0)
         await client.aclose()
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 import grpc.aio
 
+from specdec.rpc import RECONNECT_BACKOFF
 from specdec.server.settings import ClientSettings, ServerSettings
 
 # Client pings keep idle HTTP/2 connections to replicas alive through NATs and load balancers and
@@ -118,7 +119,7 @@ def create_channel(
 
         chain.extend(client_interceptors(tracer_provider))
     chain.extend(interceptors)
-    options = [*message_size_options(client.max_message_bytes), *_CLIENT_KEEPALIVE]
+    options = [*message_size_options(client.max_message_bytes), *_CLIENT_KEEPALIVE, *RECONNECT_BACKOFF]
     if client.tls_server_name:
         options.append(("grpc.ssl_target_name_override", client.tls_server_name))
     creds = channel_credentials(client)
