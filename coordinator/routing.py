@@ -5,7 +5,10 @@ baseline pool; without --baseline-target, every --target serves both pools) or f
 registry in Redis (kind "target" / "draft", pools "speculative" / "baseline"; a baseline session
 uses baseline targets, or speculative ones when the baseline pool has none). New sessions go to
 the least loaded live replica; a session sticks to the endpoints in its record while those are
-live. An endpoint that failed is avoided for a while, unless nothing else is left (it may be
+live. Load is what the registry last heard (or, for flag-given replicas, the turns this
+coordinator runs there) plus the sessions this coordinator placed there in the last few seconds,
+which neither counts yet: a burst of new sessions is spread instead of all going to the replica
+that was least loaded at the last report. An endpoint that failed is avoided for a while, unless nothing else is left (it may be
 the same replica, restarted); one that refused a session for want of a KV slot (CacheFull) is
 ranked after the others for a shorter while, so new and spilled sessions go where there is room. A draft is paired with a target only if their vocab fingerprints
 (GetInfo) are equal; an incompatible draft is refused once, with a log line, and never used.
@@ -46,6 +49,7 @@ class Router:
         registry: ReplicaRegistry | None = None,
         avoid_failed_s: float = 5.0,
         full_for_s: float = 1.0,
+        placement_memory_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
         use_drafts: bool = True,
     ):
@@ -56,11 +60,15 @@ class Router:
         self.registry = registry
         self.avoid_failed_s = avoid_failed_s
         self.full_for_s = full_for_s  # about a target's --evict-after: when a kept slot may free up
+        # Longer than a registrar's report interval (a third of its lease, 3.3 s by default) and than
+        # the moment between a choice and its turn's acquire().
+        self.placement_memory_s = placement_memory_s
         self.clock = clock
         self._clients: dict[tuple[str, str], object] = {}
         self._descriptions: dict[tuple[str, str], object] = {}
         self._failed_at: dict[str, float] = {}
         self._full_at: dict[str, float] = {}
+        self._placed: dict[str, collections.deque[float]] = collections.defaultdict(collections.deque)
         self._sessions: collections.Counter[str] = collections.Counter()  # turns running here
         self._refused: set[tuple[str, str]] = set()  # (draft endpoint, target fingerprint) pairs
 
@@ -110,6 +118,17 @@ class Router:
         full_at = self._full_at.get(endpoint)
         return full_at is not None and self.clock() - full_at < self.full_for_s
 
+    def _placed_lately(self, endpoint: str) -> int:
+        """New sessions this coordinator sent to `endpoint` within placement_memory_s."""
+        times, cutoff = self._placed[endpoint], self.clock() - self.placement_memory_s
+        while times and times[0] < cutoff:
+            times.popleft()
+        return len(times)
+
+    def _place(self, endpoint: str) -> str:
+        self._placed[endpoint].append(self.clock())
+        return endpoint
+
     def acquire(self, *endpoints: str) -> None:
         """A turn started on these endpoints (the load of static replicas)."""
         self._sessions.update(e for e in endpoints if e)
@@ -123,7 +142,7 @@ class Router:
         """Live endpoints of a kind for a pool, least loaded first (draining ones excluded)."""
         static = self._static_for(kind, pool)
         if static or self.registry is None:
-            found = [Candidate(e, float(self._sessions[e])) for e in static]
+            found = [Candidate(e, float(self._sessions[e] + self._placed_lately(e))) for e in static]
         else:
             found = await self._registered(kind, pool)
         return sorted(found, key=lambda c: (self.is_avoided(c.endpoint), self.is_full(c.endpoint), c.load))
@@ -133,7 +152,8 @@ class Router:
         for name in dict.fromkeys(pools):
             replicas = [r for r in await self.registry.list(kind, name) if not r.draining]
             if replicas:
-                return [Candidate(r.endpoint, r.load) for r in replicas]
+                return [Candidate(r.endpoint, r.load + self._placed_lately(r.endpoint) / max(r.capacity, 1))
+                        for r in replicas]
         return []
 
     async def is_live(self, kind: str, pool: Pool, endpoint: str) -> bool:
@@ -163,7 +183,7 @@ class Router:
         if sticky and not self.is_avoided(sticky) and await self.is_live(TARGET, pool, sticky):
             return sticky
         found = await self.candidates(TARGET, pool)
-        return found[0].endpoint if found else None
+        return self._place(found[0].endpoint) if found else None
 
     async def choose_draft(self, pool: Pool, fingerprint: str, sticky: str = "") -> str | None:
         """A live draft whose vocabulary matches `fingerprint` (the target's): the recorded one
@@ -178,7 +198,7 @@ class Router:
             found.insert(0, sticky)
         for endpoint in found:
             if await self.draft_compatible(endpoint, fingerprint):
-                return endpoint
+                return endpoint if endpoint == sticky else self._place(endpoint)
         return None
 
     async def draft_compatible(self, endpoint: str, fingerprint: str) -> bool:
