@@ -1,6 +1,7 @@
 """The coordinator when things break: a draft with another vocabulary, replicas found in Redis,
 kill -9 of the coordinator, of the draft service and of one of two target replicas, each in the
 middle of a stream, and a target that hangs in the middle of a plain run. The output never changes.
+Misconfigurations and dead ends say what to do: TLS to a plaintext target, a lone target that died.
 
 All processes start together, once: two targets, a draft to kill, a random draft, an n-gram draft
 with a different tokenizer, and a coordinator subprocess to kill. The kill tests come last.
@@ -27,6 +28,7 @@ from specdec.rpc import coordinator_pb2 as pb
 from specdec.rpc import coordinator_pb2_grpc
 from specdec.server.settings import ClientSettings
 from specdec.store import Replica, ReplicaRegistry
+from specdec.testing.certs import make_test_certificates
 from specdec.testing.tiny_models import TINY_EOS_ID
 
 CONTEXT = 512
@@ -115,6 +117,17 @@ async def test_replicas_are_discovered_in_redis(redis_url, dirs, services, refer
     assert (info.target_replica, info.draft_replica) == (target, draft)
     assert tokens_of(spec) == tokens_of(baseline) == expected(reference, 16)
     assert spec[-1].stats.cycles > 0 and baseline[-1].stats.pool == pb.POOL_BASELINE
+
+
+async def test_tls_to_a_plaintext_target_says_which_flag_to_set(redis_url, dirs, services, tmp_path):
+    certs = make_test_certificates(tmp_path)
+    client = ClientSettings(tls_ca=certs.ca_cert, timeout_s=2.0)
+    async with running_coordinator(redis_url, dirs["target"], [services["t1"].address], target_client=client,
+                                   failover_timeout_s=0.5) as c:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await c.generate(prompt=PROMPT, max_new_tokens=2)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "server that speaks plaintext" in refused.value.details() and "--target-plaintext" in refused.value.details()
 
 
 async def test_kill_9_of_the_coordinator_mid_stream_and_another_resumes_the_session(
@@ -217,3 +230,4 @@ async def test_a_lone_target_that_dies_ends_the_stream_unavailable_saying_what_t
     assert "no target replica answered" in cut.value.details() and "within 1 s" in cut.value.details()
     assert "ResumeStream" in cut.value.details()
     assert tokens_of(got) == expected(reference, 80)[:len(tokens_of(got))]
+

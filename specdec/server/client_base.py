@@ -63,8 +63,20 @@ def domain_error(
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return errors.CacheFull(details)
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        return errors.ServiceUnavailable(f"{service} {code.name}: {details}")
+        return errors.ServiceUnavailable(f"{service} {code.name}: {details}{_tls_hint(details)}")
     return err
+
+
+def _tls_hint(details: str) -> str:
+    """What a TLS handshake failure most likely means, in the flags' terms (gRPC's own text names
+    only OpenSSL's error)."""
+    if "WRONG_VERSION_NUMBER" in details:
+        return (" (TLS was tried against a server that speaks plaintext: give the service TLS, or "
+                "dial it with --target-plaintext / --draft-plaintext)")
+    if "Tls handshake failed" in details or "CERTIFICATE_VERIFY_FAILED" in details:
+        return (" (the TLS handshake failed: check the CA (--target-tls-ca / --draft-tls-ca), the "
+                "server name (--target-tls-server-name) and the client certificate)")
+    return ""
 
 
 @dataclass(frozen=True)
