@@ -8,9 +8,10 @@ the least loaded live replica; a session sticks to the endpoints in its record w
 live. Load is what the registry last heard (or, for flag-given replicas, the turns this
 coordinator runs there) plus the sessions this coordinator placed there in the last few seconds,
 which neither counts yet: a burst of new sessions is spread instead of all going to the replica
-that was least loaded at the last report. An endpoint that failed is avoided for a while, unless nothing else is left (it may be
-the same replica, restarted); one that refused a session for want of a KV slot (CacheFull) is
-ranked after the others for a shorter while, so new and spilled sessions go where there is room. A draft is paired with a target only if their vocab fingerprints
+that was least loaded at the last report. An endpoint that failed is avoided for a while, unless
+nothing else is left (it may be the same replica, restarted); one that refused a session for want
+of a KV slot (CacheFull) is ranked after the others for a shorter while, so new and spilled
+sessions go where there is room. A draft is paired with a target only if their vocab fingerprints
 (GetInfo) are equal; an incompatible draft is refused once, with a log line, and never used.
 """
 
