@@ -3,7 +3,9 @@
 Hash fields (schema 1): prompt_length, sampling (JSON), pool, draft_replica, target_replica,
 num_draft_tokens, turns, status, extra (JSON), one integer field per statistic (`stats:<name>`,
 `stats:accepted_at:<i>`) so a cycle adds to them with HINCRBY instead of rewriting them, and the
-store-maintained schema, version, created_at and updated_at (milliseconds, Redis server clock).
+store-maintained schema, version, created_at and updated_at (milliseconds, Redis server clock),
+and written_by (`<writer>@<version it expected>` of the last marked write, lua/common.lua; not read
+back into the record). Adding it kept schema 1: older records simply lack it.
 """
 
 from __future__ import annotations
