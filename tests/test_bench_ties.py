@@ -93,6 +93,7 @@ async def test_the_target_scores_each_divergence_at_its_first_differing_token(tm
     assert results[2].tie_threshold == 0.0 and results[2].logit_gap > 0
 
 
+@pytest.mark.slow  # a whole bf16 benchmark run: about a minute on 2 cores
 def test_a_bf16_run_scores_every_output_that_parts_from_plain_decoding(tmp_path):
     """The whole path in a bf16 benchmark on the CPU (tiny random models, real services): after the
     phases the target scores each divergence, and every differing output is counted as a tie or

@@ -67,6 +67,7 @@ async def test_registration_follows_health(redis_url):
         await client.aclose()
 
 
+@pytest.mark.slow  # waits 17 s for gRPC's default backoff to grow
 async def test_a_service_that_starts_late_is_registered_within_seconds_of_serving(redis_url):
     """A pod's registrar starts with it, long before a big model has loaded. gRPC's default
     reconnect backoff (1 s, x1.6, up to 120 s) then kept the channel waiting: a service up after

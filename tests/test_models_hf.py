@@ -74,7 +74,6 @@ def test_loader_rejects_what_it_cannot_load(root, tmp_path):
     assert (model.info.backend, model.info.architecture, model.info.max_context) == ("native", "llama", 32)
 
 
-@pytest.mark.slow
 def test_native_equals_transformers_on_the_default_target(default_target_dir):
     """SmolLM2-135M-Instruct, fp32: a prefill, decodes and a verify against one transformers forward."""
     from transformers import AutoModelForCausalLM

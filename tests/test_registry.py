@@ -192,7 +192,6 @@ def test_default_target_fetched_end_to_end(default_target_dir):
     assert verify_model(DEFAULT_TARGET).ok
 
 
-@pytest.mark.slow
 def test_conversion_is_lossless(default_target_dir):
     """The converted model's logits equal transformers' GGUF-loaded model's, bit for bit."""
     from transformers import AutoModelForCausalLM

@@ -102,6 +102,7 @@ def launched(request, smol, random_draft_dir, tmp_path_factory):
     assert proc.wait(60) == 0, log_path.read_text()[-3000:]
 
 
+@pytest.mark.slow  # three launches of the whole system with the real model: 95 s on 2 cores
 def test_through_the_services_greedy_equals_plain_decoding(launched, plain_outputs):
     kind, address = launched
     with Client(address, plaintext=True) as client:

