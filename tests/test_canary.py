@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import re
 import time
 import urllib.request
@@ -102,12 +103,14 @@ def actions(reply) -> list[str]:
 async def test_a_good_draft_is_promoted_step_by_step_by_one_decider_and_a_restart_keeps_it(
         redis_url, dirs, services):
     prefix = f"canary-good-{time.monotonic_ns()}"
-    # Only promotion is under test: wide rollback margins, so that a loaded test machine's noise at
-    # alpha 0.05 on a few samples cannot roll it back. The target's forwards cost a flat 10 ms
+    # Only promotion is under test: a wide TPOT margin and none for TTFT, so that a loaded test
+    # machine's noise at alpha 0.05 on a few samples cannot roll it back (CI once saw the first six
+    # speculative requests' TTFT at 9x the baseline's: a cold draft, or a wait for a KV slot while the
+    # equality replays hold some; TTFT rollback has its own tests). The target's forwards cost a flat 10 ms
     # (--test-delay-ms), as a large model's do, so the identical draft is several times faster than
     # streamed plain decoding (on the bare tiny models speculation's two round trips per cycle lose to
     # the baseline's stream, which has none per token).
-    policy = {"regress_margin": 1.0, "ttft_margin": 4.0}
+    policy = {"regress_margin": 1.0, "ttft_margin": math.inf}
     async with canary_coordinator(redis_url, dirs, services, prefix=prefix, policy=policy) as a, \
             canary_coordinator(redis_url, dirs, services, prefix=prefix, policy=policy) as b:
         seen = await drive([a, b], phase_is(a, pb.CANARY_PHASE_PROMOTED))
@@ -192,7 +195,7 @@ async def _cli(argv: list[str], address: str) -> str:
 
 async def test_an_injected_verification_bug_is_caught_by_the_equality_check(redis_url, dirs, services):
     async with canary_coordinator(redis_url, dirs, services, target="faulty", steps=(50, 100),
-                                  policy={"regress_margin": 1.0, "ttft_margin": 4.0}) as c:
+                                  policy={"regress_margin": 1.0, "ttft_margin": math.inf}) as c:  # equality only
         await drive([c], phase_is(c, pb.CANARY_PHASE_ROLLED_BACK))
         reply = await get_canary(c)
         after = await drive([c], _once())
