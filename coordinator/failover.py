@@ -218,9 +218,9 @@ class SessionTarget:
     async def _spill(self) -> bool:
         """Leave a replica that has no free KV slot for one that is not known to be full, if any;
         False when there is none (the session then waits for a slot where it is)."""
-        self.router.full(self.endpoint)
-        endpoint = await self.router.choose_target(self.pool)
-        if endpoint in (None, self.endpoint) or self.router.is_full(endpoint) or self.router.is_avoided(endpoint):
+        # Not choose_target: each refused retry would count as a new session placed on the full one.
+        endpoint = await self.router.room_elsewhere(self.pool, self.endpoint)
+        if endpoint is None:
             return False
         log.info("session %s: target %s has no free KV slot; moves to %s", self.session_id, self.endpoint, endpoint)
         full = self.client

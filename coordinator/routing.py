@@ -186,6 +186,15 @@ class Router:
         found = await self.candidates(TARGET, pool)
         return self._place(found[0].endpoint) if found else None
 
+    async def room_elsewhere(self, pool: Pool, full: str) -> str | None:
+        """`full` refused a session for want of a KV slot: the least loaded other target that is
+        neither known to be full nor failed lately (counted as a placement), else None."""
+        self.full(full)
+        for c in await self.candidates(TARGET, pool):
+            if c.endpoint != full and not self.is_full(c.endpoint) and not self.is_avoided(c.endpoint):
+                return self._place(c.endpoint)
+        return None
+
     async def choose_draft(self, pool: Pool, fingerprint: str, sticky: str = "") -> str | None:
         """A live draft whose vocabulary matches `fingerprint` (the target's): the recorded one
         when it qualifies, else the least loaded; None when no draft qualifies."""
