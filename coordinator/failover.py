@@ -159,6 +159,15 @@ class SessionTarget:
         except ServiceUnavailable:  # gone with its caches; its idle TTL frees them otherwise
             return False
 
+    async def end_turn(self, position: int) -> bool:
+        """The turn ended at position: the replica may give the session's KV slot to a new session at
+        once instead of keeping it for its --evict-after. Best effort: no retry, no failover."""
+        try:
+            return await self.client.end_turn(self.session_id, position)
+        except Exception as exc:  # noqa: BLE001 - only slot reuse is lost; --evict-after frees it anyway
+            log.info("session %s: EndTurn on %s failed: %r", self.session_id, self.endpoint, exc)
+            return False
+
     async def info(self):
         return (await self.router.describe(TARGET, self.endpoint)).model
 

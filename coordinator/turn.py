@@ -39,6 +39,16 @@ from coordinator.telemetry import Telemetry, TurnObserver
 log = logging.getLogger(__name__)
 
 
+_background: set[asyncio.Task] = set()  # referenced until done: the loop keeps only weak references
+
+
+def _in_background(call) -> None:
+    """Run a best-effort call (it handles its own errors) without keeping the stream waiting."""
+    task = asyncio.ensure_future(call)
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+
+
 class StopRequest(enum.Enum):
     CANCEL = "cancel"  # Cancel / EndSession: ends as cancelled, caches freed
     INTERRUPT = "interrupt"  # the stream broke, or shutdown: stays resumable, caches kept
@@ -297,6 +307,8 @@ class Turn:
         if how is not StopRequest.INTERRUPT:
             fields["status"] = SessionStatus.CANCELLED if how else SessionStatus.FINISHED
         await self.recorder.update({**fields, "extra": turn.to_extra()})
+        if how is not StopRequest.CANCEL:  # the caches stay for the next turn, the target's slot is free
+            _in_background(self.target.end_turn(len(self.cursor.tokens)))
         return Finished(result.finish_reason, result.stats, self.observer.proposer,
                         interrupted=how is StopRequest.INTERRUPT)
 

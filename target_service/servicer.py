@@ -10,8 +10,8 @@ handlers only add attributes to it. Verification itself lives in the engine and 
 Continuous batching: Verify and Decode work of concurrent sessions goes through a Batcher, which runs
 everything queued as one batched engine step (specdec.engine.batch: one forward over rows at
 different positions and lengths); a call that arrives during a step joins the next. A multi-token
-Decode is a sequence of one-token steps, each joining a batch. StartSession (prefill), Truncate and
-EndSession run on the same model thread directly.
+Decode is a sequence of one-token steps, each joining a batch. StartSession (prefill), Truncate,
+EndTurn and EndSession run on the same model thread directly.
 
 DecodeStream streams a multi-token Decode token by token, and submits each next step before it
 writes the token just made, so the model never waits for the caller's round trip; the streams woken
@@ -301,6 +301,13 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
         stream = self._streams.pop(session_id, None)
         if stream is not None:
             stream.end()
+
+    async def EndTurn(self, request, context):
+        check_session_id(request.session_id)
+        annotate(**{SPECDEC_SESSION_ID: request.session_id, SPECDEC_POSITION: request.position})
+        self.end_stream(request.session_id)
+        released = await self._run(self.engine.end_turn, request.session_id, request.position)
+        return target_pb2.TargetServiceEndTurnResponse(released=released)
 
     async def ScoreTokens(self, request, context):
         tokens, candidates = list(request.token_ids), list(request.candidate_token_ids)

@@ -130,8 +130,8 @@ def test_generated_modules_live_in_the_specdec_v1_package():
 
 SERVICES = {
     (target_pb2, target_pb2_grpc, "TargetService"): {
-        "StartSession", "Verify", "VerifyStream", "Decode", "DecodeStream", "Truncate", "EndSession", "GetInfo",
-        "ScoreTokens",
+        "StartSession", "Verify", "VerifyStream", "Decode", "DecodeStream", "Truncate", "EndTurn", "EndSession",
+        "GetInfo", "ScoreTokens",
     },
     (draft_pb2, draft_pb2_grpc, "DraftService"): {
         "StartSession", "Propose", "ProposeStream", "Truncate", "EndSession", "GetInfo"

@@ -44,6 +44,31 @@ def test_a_session_used_lately_keeps_its_slot(target_dir):
     assert engine.sessions.peek("a").slot is not None
 
 
+def test_a_session_between_turns_gives_its_slot_up_at_once(target_dir):
+    """EndTurn: a session whose turn ended is evicted for a new one without waiting out
+    --evict-after; its next call keeps its slot again, and after an eviction it re-feeds its tokens
+    and continues exactly as if it had never lost its cache."""
+    now = [0.0]
+    engine = TargetEngine(load_model(target_dir, backend="native", num_slots=SLOTS, max_context=CONTEXT),
+                          clock=lambda: now[0], evict_after_s=60.0)
+    reference = TargetEngine(load_model(target_dir, backend="native", num_slots=4, max_context=CONTEXT))
+    for e in (engine, reference):
+        for name in ("a", "b"):
+            e.start_session(name, [3, 4, 5], SamplingParams())  # prompt + first token: position 4
+    assert not engine.end_turn("a", 3) and not engine.end_turn("unknown", 4)  # wrong position: kept
+    assert engine.end_turn("a", 4)
+    engine.decode("a", 4, 1)  # a's next turn: its slot is kept again
+    reference.decode("a", 4, 1)
+    with pytest.raises(CacheFull):
+        engine.start_session("c", [3, 4, 5], SamplingParams())
+    assert engine.end_turn("a", 5)
+    engine.start_session("c", [3, 4, 5], SamplingParams())  # 0 s later, evict_after 60 s
+    assert engine.evictions == 1 and engine.sessions.peek("a").slot is None
+    assert engine.end_turn("b", 4)
+    assert engine.decode("a", 5, 3) == reference.decode("a", 5, 3)  # re-fed into b's slot
+    assert engine.evictions == 2 and engine.sessions.peek("c").slot is not None
+
+
 @pytest.fixture(scope="module")
 def services(target_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("admission-logs")
@@ -53,6 +78,10 @@ def services(target_dir, tmp_path_factory):
     procs = {
         "target": launch("target_service", target, log_dir=logs),
         "spare": launch("target_service", target, log_dir=logs),  # only the spill test uses it
+        # One slot kept a minute after each call: only EndTurn frees it for the next session in time.
+        "one_slot": launch("target_service", ["--model", str(target_dir), "--max-context", str(CONTEXT),
+                                              "--num-slots", "1", "--evict-after", "60", "--plaintext"],
+                           log_dir=logs),
         "draft": launch("draft_service", ["--model", str(target_dir), "--plaintext"], log_dir=logs),
     }
     wait_all(*procs.values())
@@ -97,3 +126,24 @@ async def test_a_session_without_a_slot_moves_to_a_replica_with_room(redis_url, 
     for i, got in enumerate(held):
         prompt = f"Hold slot {i}."
         assert tokens_of(got) == reference.continuation(reference.prompt_ids(prompt), 200)
+
+
+async def test_a_finished_turn_frees_its_slot_for_the_next_session(redis_url, target_dir, services):
+    """One-turn sessions one after another on a target with one KV slot kept 60 s after its last
+    call: each turn's end tells the target (EndTurn), so each next session gets the slot at once.
+    Without it the second waited for the slot until the failover timeout and failed."""
+    reference = Reference(target_dir, CONTEXT)
+    one_slot = services["one_slot"]
+    prompts = [f"Short answer {i}." for i in range(3)]
+    async with running_coordinator(redis_url, target_dir, [one_slot.address], failover_timeout_s=5.0) as c:
+        answers = [await c.generate(prompt=p, max_new_tokens=8, ignore_eos=True) for p in prompts]
+        session = answers[0][0].session_id
+        again = await c.generate(session_id=session, prompt=" And then?", max_new_tokens=8, ignore_eos=True)
+        record = await c.tokens(session)
+    for prompt, answer in zip(prompts, answers):
+        assert tokens_of(answer) == reference.continuation(reference.prompt_ids(prompt), 8)
+    # The first session's next turn, its cache re-fed after the eviction, equals plain decoding.
+    assert tokens_of(again) == record[-8:] == reference.continuation(record[:-8], 8)
+    evictions = next(float(line.split()[-1]) for line in one_slot.metrics().splitlines()
+                     if line.startswith("specdec_target_evictions_total"))
+    assert evictions == 3  # each new session, then the first one's second turn

@@ -24,6 +24,7 @@ class SessionState:
     slot: int | None = None  # KV cache slot, None while evicted or for weightless proposers
     in_use: int = 0  # calls in flight; a session in use is never evicted
     last_used: float = 0.0
+    between_turns: bool = False  # its caller said its turn ended (EndTurn): evictable at once
 
     @property
     def position(self) -> int:
@@ -57,6 +58,7 @@ class SessionTable(Generic[S]):
         if state is None:
             raise SessionNotFound(session_id)
         state.last_used = self._clock()
+        state.between_turns = False  # a call: the session is in a turn again
         self._sessions.move_to_end(session_id)
         return state
 
@@ -68,11 +70,11 @@ class SessionTable(Generic[S]):
         return self._sessions.pop(session_id, None)
 
     def lru_evictable(self, idle_s: float = 0.0) -> Iterator[S]:
-        """Sessions holding a slot, not in use and unused for at least idle_s seconds, least
-        recently used first."""
+        """Sessions holding a slot, not in use, and unused for at least idle_s seconds or between
+        turns, least recently used first."""
         used_before = self._clock() - idle_s
         for state in list(self._sessions.values()):
-            if state.slot is not None and state.in_use == 0 and state.last_used <= used_before:
+            if state.slot is not None and state.in_use == 0 and (state.between_turns or state.last_used <= used_before):
                 yield state
 
     def expired(self) -> list[S]:

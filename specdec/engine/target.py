@@ -126,6 +126,16 @@ class TargetEngine:
     def end_session(self, session_id: str) -> bool:
         return self._drop(session_id)
 
+    def end_turn(self, session_id: str, position: int) -> bool:
+        """The session's turn ended at position: its slot may go to another session before
+        evict_after_s has passed (its next call keeps it again). False, changing nothing, for an
+        unknown session, one in a call, or one no longer at position (its next turn has begun)."""
+        state = self.sessions.peek(session_id)  # peek: ending a turn is not a use
+        if state is None or state.in_use or state.position != position:
+            return False
+        state.between_turns = True
+        return True
+
     def score(self, token_ids: Sequence[int], candidate_token_ids: Sequence[int]) -> tuple[list[float], int]:
         """The logits of the candidates at the position after token_ids, and the greedy token there:
         a prefill of token_ids in a throwaway session (it may evict an idle session's cache, as a
