@@ -77,12 +77,14 @@ class EqualityChecker:
         endpoint = await self.router.choose_target(Pool.BASELINE)
         if endpoint is None:
             return {"result": EqualityResult.ERROR.value, "detail": "no baseline target is available"}
+        where = [endpoint]  # the replay's target: it moves off one whose KV slots are all in use
         try:
-            reference = await self._plain(endpoint, prompt, len(candidate), record.sampling)
+            reference = await self._plain(where, prompt, len(candidate), record.sampling)
+            endpoint = where[0]
             exact = await self._is_exact(endpoint) and await self._is_exact(record.target_replica)
         except (ServiceUnavailable, SessionNotFound) as exc:
-            self.router.failed(endpoint)
-            return {"result": EqualityResult.ERROR.value, "baseline_target": endpoint, "detail": str(exc)}
+            self.router.failed(where[0])
+            return {"result": EqualityResult.ERROR.value, "baseline_target": where[0], "detail": str(exc)}
         except Exception as exc:  # noqa: BLE001 - a replay that fails says nothing about equality
             return {"result": EqualityResult.ERROR.value, "baseline_target": endpoint, "detail": repr(exc)}
         report = compare_outputs(prompt, candidate, reference)
@@ -121,27 +123,33 @@ class EqualityChecker:
                                   units=self.tie_units)
         return rescored(report, candidate_logit, reference_logit, threshold), True
 
-    async def _plain(self, endpoint: str, prompt: list[int], n: int, params) -> list[int]:
-        """n tokens of plain decoding after `prompt` on a baseline target, in a throwaway session."""
-        client = self.router.target(endpoint)
+    async def _plain(self, where: list[str], prompt: list[int], n: int, params) -> list[int]:
+        """n tokens of plain decoding after `prompt` on the baseline target where[0], in a throwaway
+        session; where[0] becomes the target that made them."""
         replay_id = f"canary-replay-{uuid.uuid4().hex}"
+        position, first = await self._start_where_a_slot_is(where, replay_id, prompt, params)
+        client = self.router.target(where[0])
         try:
-            position, first = await self._start_when_a_slot_frees(client, replay_id, prompt, params)
             rest = await client.decode(replay_id, position, n - 1) if n > 1 else []
             return [first, *rest]
         finally:
             with contextlib.suppress(Exception):
                 await client.end_session(replay_id)
 
-    @staticmethod
-    async def _start_when_a_slot_frees(client, replay_id: str, prompt: list[int], params, wait_s: float = 30.0):
-        """StartSession, waiting (as sessions do, coordinator/failover.py) while every KV slot of the
-        baseline target is held by sessions in mid-turn: a check must not evict one."""
+    async def _start_where_a_slot_is(self, where: list[str], replay_id: str, prompt: list[int], params,
+                                     wait_s: float = 30.0) -> tuple[int, int]:
+        """StartSession on where[0] or, while every KV slot there is held by sessions in mid-turn, on
+        another baseline target with room (as sessions move, coordinator/failover.py), else wait for
+        a slot: a check must not evict a session."""
         deadline, delay = time.monotonic() + wait_s, 0.05
         while True:
             try:
-                return await client.start_session(replay_id, prompt, params)
+                return await self.router.target(where[0]).start_session(replay_id, prompt, params)
             except CacheFull:
+                elsewhere = await self.router.room_elsewhere(Pool.BASELINE, where[0])
+                if elsewhere is not None:
+                    where[0] = elsewhere
+                    continue
                 if time.monotonic() >= deadline:
                     raise
                 delay = await backoff(delay)

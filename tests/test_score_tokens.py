@@ -124,7 +124,7 @@ async def test_the_canary_sorts_a_bf16_divergence_by_the_targets_scores(target_d
     async with hosted(target_dir, servicer_class, num_slots=2, max_context=CONTEXT) as (target, _):
         checker = EqualityChecker(None, _BaselineRouter(target, batch_invariant), trace.get_tracer("test"),
                                   tie_threshold=threshold)
-        reference = await checker._plain("baseline:0", PROMPT, 6, SamplingParams())
+        reference = await checker._plain(["baseline:0"], PROMPT, 6, SamplingParams())
         logits = _next_logits(target_dir, PROMPT + reference[:3])
         other = int(logits.sort(descending=True).indices[pick])
         candidate = reference[:3] + [other, *reference[4:]]
