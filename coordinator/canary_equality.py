@@ -139,20 +139,23 @@ class EqualityChecker:
     async def _start_where_a_slot_is(self, where: list[str], replay_id: str, prompt: list[int], params,
                                      wait_s: float = 30.0) -> tuple[int, int]:
         """StartSession on where[0] or, while every KV slot there is held by sessions in mid-turn, on
-        another baseline target with room (as sessions move, coordinator/failover.py), else wait for
-        a slot: a check must not evict a session."""
-        deadline, delay = time.monotonic() + wait_s, 0.05
+        another baseline target with room (as sessions move, coordinator/failover.py), else in the
+        target's queue for a slot, first come first served: a check must not evict a session."""
+        deadline, delay, slot_wait = time.monotonic() + wait_s, 0.05, 0.0
         while True:
             try:
-                return await self.router.target(where[0]).start_session(replay_id, prompt, params)
+                return await self.router.target(where[0]).start_session(replay_id, prompt, params,
+                                                                        slot_wait_s=slot_wait)
             except CacheFull:
                 elsewhere = await self.router.room_elsewhere(Pool.BASELINE, where[0])
                 if elsewhere is not None:
-                    where[0] = elsewhere
+                    where[0], slot_wait = elsewhere, 0.0
                     continue
                 if time.monotonic() >= deadline:
                     raise
-                delay = await backoff(delay)
+                if slot_wait:  # the wait ran out, or a target older than the queue: back off
+                    delay = await backoff(delay)
+                slot_wait = max(deadline - time.monotonic(), 0.001)
 
     async def _is_exact(self, endpoint: str) -> bool:
         """Whether the target computes in fp32, or batch-invariantly (--batch-invariant: a verify

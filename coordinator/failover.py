@@ -76,6 +76,7 @@ class SessionTarget:
         self.failover_timeout_s = failover_timeout_s
         self.clock = clock
         self.rebuilds = 0
+        self.slot_wait_s = 0.0  # how long a StartSession waits for a KV slot in the target's queue
 
     @property
     def client(self):
@@ -205,7 +206,14 @@ class SessionTarget:
             # The session holds no slot there (new, or evicted), so a replica with a free one costs
             # no more than this one would: the same prefill, now instead of after the wait.
             if not await self._spill():
-                return await backoff(delay)
+                # Every replica known is full: wait in this one's queue for a slot, first come first
+                # served (a session that backed off between tries lost every freed slot to newcomers
+                # and failed after the timeout, the replica busy all along). The recovery restarts the
+                # session with StartSession, which carries the wait; a wait that ran out, or a target
+                # older than the queue, backs off instead.
+                if self.slot_wait_s:
+                    delay = await backoff(delay)
+                self.slot_wait_s = self.failover_timeout_s
             await recover(error)
             return delay
         if isinstance(error, ServiceUnavailable):
@@ -240,6 +248,7 @@ class SessionTarget:
 
     def _switch(self, endpoint: str) -> None:
         self.endpoint = endpoint
+        self.slot_wait_s = 0.0  # a new replica is asked at once first: it may refuse, and another have room
         self.on_moved(endpoint)
 
     async def _realign(self, error: Exception, position: int) -> None:
@@ -257,13 +266,14 @@ class SessionTarget:
         def start():
             return client.start_session(self.session_id, tokens, self.params, need_first,
                                         drafts_elsewhere=self.draft_source is not None,
-                                        draft_source=self.draft_source or "")
+                                        draft_source=self.draft_source or "", slot_wait_s=self.slot_wait_s)
         try:
             _, first = await start()
         except SessionExists:  # the replica still holds a copy whose state is unknown: replace it
             await client.end_session(self.session_id)
             _, first = await start()
         self.rebuilds += 1
+        self.slot_wait_s = 0.0
         return first
 
 

@@ -65,13 +65,16 @@ class TargetClient(ServiceClient):
 
     async def start_session(
         self, session_id: str, token_ids: Sequence[int], params: SamplingParams, sample_first_token: bool = True,
-        drafts_elsewhere: bool = False, draft_source: str = "",
+        drafts_elsewhere: bool = False, draft_source: str = "", slot_wait_s: float = 0.0,
     ) -> tuple[int, int | None]:
+        """slot_wait_s: while every KV slot is in use, wait up to this long for one in the target's
+        queue (first come, first served) before CacheFull; 0: CacheFull at once."""
         request = target_pb2.TargetServiceStartSessionRequest(
             session_id=session_id, token_ids=list(token_ids), sampling=sampling_params_to_proto(params),
             sample_first_token=sample_first_token, drafts_elsewhere=drafts_elsewhere, draft_source=draft_source,
+            slot_wait_ms=round(slot_wait_s * 1000),
         )
-        response = await self._call(self._stub.StartSession, request, session_id)
+        response = await self._call(self._stub.StartSession, request, session_id, extra_time_s=slot_wait_s)
         if response.HasField("draft_limit"):  # into the cycle being measured, as a plain step's is
             report_draft_limit(response.draft_limit)
         first = response.first_token_id if response.HasField("first_token_id") else None

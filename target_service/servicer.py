@@ -61,6 +61,8 @@ from specdec.server.message_streams import MessageStreams
 from specdec.server.model_servicer import SPECDEC_SESSION_ID, EngineServicer, annotate, check_session_id
 from specdec.server.tokenizer_info import TokenizerFacts
 
+from target_service.slot_queue import SlotQueue
+
 log = logging.getLogger(__name__)
 
 TARGET_SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
@@ -101,6 +103,7 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
         # StartSessions waiting for their prefill: changed on the event loop only, read by the cycle
         # pricing on the model thread as load about to arrive (cycle_wall.py).
         self._starting = 0
+        self.slot_queue = SlotQueue()  # new sessions waiting for a KV slot, in arrival order
         if self.trimmer is not None and self.trimmer.cycle_wall is not None:
             self.trimmer.cycle_wall.starting = lambda: self._starting
         step = functools.partial(run_trimmed_batch, engine, self.trimmer) if trim_drafts \
@@ -127,15 +130,19 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
         params = sampling_params_from_proto(request.sampling)
         tokens = list(request.token_ids)
         annotate(**{SPECDEC_SESSION_ID: request.session_id, "specdec.num_prompt_tokens": len(tokens)})
-        self._starting += 1
-        try:
-            position, first, draft_limit = await self._step(
-                "prefill", len(tokens), self._start_session,
-                request.session_id, tokens, params, request.sample_first_token, request.drafts_elsewhere,
-                request.draft_source,
-            )
-        finally:
-            self._starting -= 1
+
+        async def start():
+            self._starting += 1  # only while it is queued for the model thread, not waiting for a slot
+            try:
+                return await self._step(
+                    "prefill", len(tokens), self._start_session,
+                    request.session_id, tokens, params, request.sample_first_token, request.drafts_elsewhere,
+                    request.draft_source,
+                )
+            finally:
+                self._starting -= 1
+
+        position, first, draft_limit = await self.slot_queue.admit(start, request.slot_wait_ms / 1000)
         response = target_pb2.TargetServiceStartSessionResponse(position=position)
         if first is not None:
             response.first_token_id = first

@@ -80,8 +80,8 @@ def services(target_dir, tmp_path_factory):
         "spare": launch("target_service", target, log_dir=logs),  # only the spill test uses it
         # One slot kept a minute after each call: only EndTurn frees it for the next session in time.
         "one_slot": launch("target_service", ["--model", str(target_dir), "--max-context", str(CONTEXT),
-                                              "--num-slots", "1", "--evict-after", "60", "--plaintext"],
-                           log_dir=logs),
+                                              "--num-slots", "1", "--evict-after", "60", "--test-delay-ms", "5",
+                                              "--plaintext"], log_dir=logs),
         "draft": launch("draft_service", ["--model", str(target_dir), "--plaintext"], log_dir=logs),
     }
     wait_all(*procs.values())
@@ -147,3 +147,30 @@ async def test_a_finished_turn_frees_its_slot_for_the_next_session(redis_url, ta
     evictions = next(float(line.split()[-1]) for line in one_slot.metrics().splitlines()
                      if line.startswith("specdec_target_evictions_total"))
     assert evictions == 3  # each new session, then the first one's second turn
+
+
+async def test_sessions_waiting_for_a_slot_get_it_in_arrival_order(redis_url, target_dir, services):
+    """Six new sessions arrive 0.1 s apart while another's long turn holds the only KV slot. With no
+    replica that has room, the coordinator has each wait in the target's queue (StartSession's
+    slot_wait_ms), so they start in arrival order and none fails, each equal to plain decoding.
+    (Before, each retried with backoff and a freed slot went to whoever tried first: under steady
+    load some waited past the failover timeout and failed with RESOURCE_EXHAUSTED.)"""
+    reference = Reference(target_dir, CONTEXT)
+    started: list[int] = []
+    async with running_coordinator(redis_url, target_dir, [services["one_slot"].address]) as c:
+        holder = c.stub.Generate(request(prompt="Hold the slot.", max_new_tokens=200, ignore_eos=True))
+        held = await read_some(holder, 1)
+
+        async def arrive(i: int):
+            await asyncio.sleep(0.1 * i)
+            call = c.stub.Generate(request(prompt=f"In line {i}.", max_new_tokens=6, ignore_eos=True))
+            first = await read_some(call, 1)
+            started.append(i)
+            return first + [m async for m in call]
+
+        answers = await asyncio.gather(*[arrive(i) for i in range(6)])
+        held += [m async for m in holder]
+    assert started == list(range(6))
+    assert tokens_of(held) == reference.continuation(reference.prompt_ids("Hold the slot."), 200)
+    for i, answer in enumerate(answers):
+        assert tokens_of(answer) == reference.continuation(reference.prompt_ids(f"In line {i}."), 6)

@@ -58,8 +58,11 @@ class TargetAPI(Protocol):
         sample_first_token: bool = True,
         drafts_elsewhere: bool = False,
         draft_source: str = "",
+        slot_wait_s: float = 0.0,
     ) -> tuple[int, int | None]:
         """Prefill and commit token_ids; return (position, first token or None when restoring).
+        slot_wait_s: while every KV slot is in use, wait up to this long for one, first come first
+        served, before CacheFull (0: at once, so the caller may go to another replica).
         drafts_elsewhere: the session's drafts will not be made inside the target (they come from
         draft_source, e.g. the draft service's address); a target that prices their cycles may report
         a draft limit of 0 into the measured cycle (cycle_cost.py)."""

@@ -24,6 +24,7 @@ class LocalTarget:
     async def start_session(
         self, session_id: str, token_ids: Sequence[int], params: SamplingParams, sample_first_token: bool = True,
         drafts_elsewhere: bool = False, draft_source: str = "",  # in process: no round trips to price
+        slot_wait_s: float = 0.0,  # one caller in process: nobody to wait for
     ) -> tuple[int, int | None]:
         return self.engine.start_session(session_id, token_ids, params, sample_first_token)
 

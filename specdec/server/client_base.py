@@ -202,8 +202,10 @@ class ServiceClient:
             model_s, queued_s, handler_s = timing
             report_model_time(self.ROLE, model_s, queued_s, handler_s, time.perf_counter() - started)
 
-    async def _call(self, method, request, session_id: str = "", position: int | None = None, parent_epoch: int = 0):
+    async def _call(self, method, request, session_id: str = "", position: int | None = None, parent_epoch: int = 0,
+                    extra_time_s: float = 0.0):
+        """One unary call with the client's deadline (plus extra_time_s the service may wait by request)."""
         try:
-            return await method(request, timeout=self.timeout_s, metadata=self.metadata or None)
+            return await method(request, timeout=self.timeout_s + extra_time_s, metadata=self.metadata or None)
         except grpc.aio.AioRpcError as err:
             raise domain_error(err, self.SERVICE, session_id, position, parent_epoch) from err
