@@ -104,6 +104,7 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
         # pricing on the model thread as load about to arrive (cycle_wall.py).
         self._starting = 0
         self.slot_queue = SlotQueue()  # new sessions waiting for a KV slot, in arrival order
+        metrics.sessions_waiting_for_slot.set_function(lambda: len(self.slot_queue))
         if self.trimmer is not None and self.trimmer.cycle_wall is not None:
             self.trimmer.cycle_wall.starting = lambda: self._starting
         step = functools.partial(run_trimmed_batch, engine, self.trimmer) if trim_drafts \

@@ -168,8 +168,14 @@ async def test_sessions_waiting_for_a_slot_get_it_in_arrival_order(redis_url, ta
             started.append(i)
             return first + [m async for m in call]
 
-        answers = await asyncio.gather(*[arrive(i) for i in range(6)])
+        arrivals = asyncio.gather(*[arrive(i) for i in range(6)])
+        await asyncio.sleep(0.55)  # all six have arrived; the holder's 200 steps take over a second
+        metrics = await asyncio.to_thread(services["one_slot"].metrics)
+        answers = await arrivals
         held += [m async for m in holder]
+    waiting = next(float(line.split()[-1]) for line in metrics.splitlines()
+                   if line.startswith("specdec_target_sessions_waiting_for_slot "))
+    assert waiting >= 1, "the waiting sessions should be visible to operators"
     assert started == list(range(6))
     assert tokens_of(held) == reference.continuation(reference.prompt_ids("Hold the slot."), 200)
     for i, answer in enumerate(answers):

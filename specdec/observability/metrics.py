@@ -218,6 +218,10 @@ class TargetMetrics(_CacheMetrics):
         )
         self.tokens = Counter("tokens", "Tokens processed by forward passes.", ("step",), **common)
         self.batch_rows = Gauge("batch_rows", "Sessions (rows) in the latest batched forward pass.", **common)
+        self.sessions_waiting_for_slot = Gauge(
+            "sessions_waiting_for_slot", "New sessions waiting in line for a KV cache slot (StartSession's "
+            "slot_wait_ms): a replica that keeps some waiting needs more slots or more replicas.", **common
+        )
         self.trimmed_draft_tokens = Counter(
             "trimmed_draft_tokens", "Drafted tokens left unverified because they did not pay under load.", **common
         )
