@@ -125,6 +125,7 @@ class DraftServicer(EngineServicer, draft_pb2_grpc.DraftServiceServicer):
                                gather=batching.gather, on_step=self._observe_batch)
         self._session_num_draft_tokens: dict[str, int] = {}  # ProposerOptions.num_draft_tokens, if set
         self.message_streams = MessageStreams()  # the open ProposeStreams, ended when the service stops
+        metrics.sessions_in_turn.set_function(lambda: engine.sessions.in_turn(1.0))  # a Propose a cycle
         self.update_gauges()
 
     # ---- RPCs ------------------------------------------------------------------------------

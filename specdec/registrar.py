@@ -79,7 +79,7 @@ class RegistrarSettings:
 
 
 def read_load(metrics_url: str, kind: str, capacity: int, timeout_s: float = 1.0) -> tuple[int, int] | None:
-    """(active sessions, free slots) from the service's Prometheus text, or None if unavailable."""
+    """(sessions in a turn, free slots) from the service's Prometheus text, or None if unavailable."""
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
@@ -87,12 +87,14 @@ def read_load(metrics_url: str, kind: str, capacity: int, timeout_s: float = 1.0
             text = response.read().decode()
     except OSError:
         return None
-    wanted = f"specdec_{kind}_sessions"
-    for family in text_string_to_metric_families(text):
-        if family.name == wanted and family.samples:
-            active = int(family.samples[0].value)
-            return active, max(capacity - active, 0)
-    return None
+    # Sessions in a turn; a service older than that gauge reports only all sessions it holds, idle
+    # ones (kept caches) included.
+    found = {family.name: family.samples[0].value for family in text_string_to_metric_families(text)
+             if family.samples and family.name in (f"specdec_{kind}_sessions_in_turn", f"specdec_{kind}_sessions")}
+    active = found.get(f"specdec_{kind}_sessions_in_turn", found.get(f"specdec_{kind}_sessions"))
+    if active is None:
+        return None
+    return int(active), max(capacity - int(active), 0)
 
 
 class Registrar:

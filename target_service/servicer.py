@@ -105,6 +105,8 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
         self._starting = 0
         self.slot_queue = SlotQueue()  # new sessions waiting for a KV slot, in arrival order
         metrics.sessions_waiting_for_slot.set_function(lambda: len(self.slot_queue))
+        # Mid-turn is what --evict-after protects: a session used that recently (or 1 s without it).
+        metrics.sessions_in_turn.set_function(lambda: engine.sessions.in_turn(engine.evict_after_s or 1.0))
         if self.trimmer is not None and self.trimmer.cycle_wall is not None:
             self.trimmer.cycle_wall.starting = lambda: self._starting
         step = functools.partial(run_trimmed_batch, engine, self.trimmer) if trim_drafts \

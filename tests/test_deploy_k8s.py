@@ -329,6 +329,26 @@ def test_autoscaling_on_serving_metrics_not_cpu(default_docs):
         render({"target": {"autoscaling": {"metrics": [cpu]}}})
 
 
+def test_model_pods_scale_on_their_sessions_in_a_turn(default_docs):
+    """Not on KV slots in use or all sessions: both count the caches kept between turns (until a
+    slot is needed or the 10-minute idle TTL), so they stay at the maximum under steady traffic."""
+    from prometheus_client import CollectorRegistry
+
+    from specdec.observability.metrics import DraftMetrics, TargetMetrics
+
+    registry = CollectorRegistry()
+    TargetMetrics(registry)
+    DraftMetrics(registry)
+    families = {family.name for family in registry.collect()}
+    for name, hpa in by_kind(default_docs, "HorizontalPodAutoscaler").items():
+        if name == "specdec-coordinator":
+            continue
+        names = [m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]]
+        kind = "draft" if "draft" in name else "target"
+        assert names == [f"specdec_{kind}_sessions_in_turn"], (name, names)
+        assert set(names) <= families
+
+
 def test_disruption_budgets_cover_every_workload(default_docs):
     budgets = by_kind(default_docs, "PodDisruptionBudget")
     for name, deployment in by_kind(default_docs, "Deployment").items():

@@ -153,3 +153,35 @@ def test_flags_build_the_pod_endpoint(monkeypatch):
     with pytest.raises(ValueError):
         RegistrarSettings(redis_url="", kind="target", pool="speculative", replica_id="x", endpoint="a:1",
                           health_address="b:2")
+
+
+@pytest.mark.parametrize("gauges, expected", [
+    ({"specdec_target_sessions": 40, "specdec_target_sessions_in_turn": 3}, (3, 29)),
+    ({"specdec_target_sessions": 40}, (40, 0)),  # a service older than the in-turn gauge
+    ({}, None),
+], ids=["in-turn", "older-service", "no-gauge"])
+def test_the_load_reported_is_the_sessions_in_a_turn(gauges, expected):
+    """Kept caches of sessions between turns are not load: the registry gets the sessions in a
+    turn (capacity 32: 29 slots free for new sessions), where a service has that gauge."""
+    import http.server
+    import threading
+
+    from specdec.registrar import read_load
+
+    text = "".join(f"# TYPE {name} gauge\n{name} {value}\n" for name, value in gauges.items()).encode()
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(text)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert read_load(f"http://127.0.0.1:{server.server_port}/metrics", "target", 32) == expected
+    finally:
+        server.shutdown()

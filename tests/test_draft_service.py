@@ -418,7 +418,7 @@ async def test_get_info_health_reflection_and_metrics(services, dirs):
     text = services["random"].metrics()
     for metric in ('specdec_draft_proposed_tokens_total{proposer="draft-model"}',
                    'specdec_draft_step_seconds_count{proposer="draft-model",step="propose"}',
-                   "specdec_draft_sessions", "specdec_draft_kv_cache_slots_total 8.0"):
+                   "specdec_draft_sessions", "specdec_draft_sessions_in_turn", "specdec_draft_kv_cache_slots_total 8.0"):
         assert metric in text, metric
 
 

@@ -57,6 +57,10 @@ def test_a_session_between_turns_gives_its_slot_up_at_once(target_dir):
             e.start_session(name, [3, 4, 5], SamplingParams())  # prompt + first token: position 4
     assert not engine.end_turn("a", 3) and not engine.end_turn("unknown", 4)  # wrong position: kept
     assert engine.end_turn("a", 4)
+    now[0] = 0.5
+    assert engine.sessions.in_turn(1.0) == 1  # b; a's turn is over (the load the registry gets)
+    now[0] = 2.0
+    assert engine.sessions.in_turn(1.0) == 0  # b unused for 2 s: between turns too
     engine.decode("a", 4, 1)  # a's next turn: its slot is kept again
     reference.decode("a", 4, 1)
     with pytest.raises(CacheFull):

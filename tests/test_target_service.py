@@ -284,7 +284,7 @@ async def test_metrics_are_scraped(services):
     for name in ('specdec_target_step_seconds_bucket{le="0.001",step="verify"}',
                  'specdec_target_step_seconds_count{step="prefill"}', 'specdec_target_tokens_total{step="verify"}',
                  "specdec_target_kv_cache_slots_total 4.0", "specdec_target_kv_cache_slots_used",
-                 "specdec_target_sessions", "specdec_target_evictions_total"):
+                 "specdec_target_sessions", "specdec_target_sessions_in_turn", "specdec_target_evictions_total"):
         assert name in text, name
 
 

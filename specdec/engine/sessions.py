@@ -77,6 +77,14 @@ class SessionTable(Generic[S]):
             if state.slot is not None and state.in_use == 0 and (state.between_turns or state.last_used <= used_before):
                 yield state
 
+    def in_turn(self, window_s: float) -> int:
+        """Sessions in the middle of a turn: a call in flight, or one in the last window_s seconds
+        and no EndTurn since. The load a replica carries (its other sessions only keep a cache). Safe
+        to read off the model thread (a metrics scrape): the copy of the table is one C call."""
+        used_after = self._clock() - window_s
+        return sum(1 for s in list(self._sessions.values())
+                   if s.in_use or (not s.between_turns and s.last_used >= used_after))
+
     def expired(self) -> list[S]:
         """Idle sessions past their TTL (the coordinator rebuilds them from Redis if it returns)."""
         deadline = self._clock() - self._idle_ttl_s

@@ -196,6 +196,11 @@ class _CacheMetrics:
         self.kv_cache_slots_used = Gauge("kv_cache_slots_used", "KV cache token slots in use.", **common)
         self.kv_cache_slots_total = Gauge("kv_cache_slots_total", "KV cache token slots allocated.", **common)
         self.sessions = Gauge("sessions", "Sessions with a cache on this replica.", **common)
+        self.sessions_in_turn = Gauge(
+            "sessions_in_turn", "Sessions in the middle of a turn (a call in flight or in the last second, "
+            "and for a target no EndTurn since): the load, where `sessions` also counts the caches kept "
+            "between turns until evicted or expired.", **common
+        )
         self.evictions = Counter("evictions", "Idle sessions evicted under memory pressure.", **common)
 
 
