@@ -3,6 +3,8 @@ GenAI attribute names."""
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 import grpc.aio
 import pytest
@@ -49,6 +51,7 @@ def traced_service(tracer, executor: ModelExecutor):
     async def stream(request, context):
         for i in range(2):
             yield bytes([i])
+
 
     generic = grpc.method_handlers_generic_handler(
         SERVICE,
@@ -115,6 +118,25 @@ async def test_trace_context_propagates_from_client_span_to_server_span():
     assert server[f"/{SERVICE}/Stream"].context.trace_id == trace_id
     assert server["model.forward"].parent.span_id == server_step.context.span_id
     assert server_step.resource.attributes["service.name"] == "test-target"
+
+
+def test_the_instrumentations_context_detach_error_is_demoted(caplog):
+    """When a client goes away with a traced stream open, the aio server instrumentation can fail to
+    restore the context (open-telemetry/opentelemetry-python-contrib#2357) and OpenTelemetry logs an
+    ERROR with a traceback (seen in a coordinator's log when a load client died mid-streams).
+    server_interceptor() installs StreamDetachNoise, which demotes exactly that record to DEBUG."""
+    from specdec.observability.tracing import server_interceptor
+
+    server_interceptor()
+    context_logger = logging.getLogger("opentelemetry.context")
+    token_error = ValueError("<Token var=<ContextVar name='current_context'> at 0x1> was created in a different Context")
+    with caplog.at_level(logging.INFO):
+        for error in (token_error, RuntimeError("something else")):
+            try:
+                raise error
+            except Exception:  # as opentelemetry.context.detach logs it
+                context_logger.exception("Failed to detach context")
+    assert [(r.levelname, type(r.exc_info[1]).__name__) for r in caplog.records] == [("ERROR", "RuntimeError")]
 
 
 def test_cycle_spans_follow_the_sampler_and_skipped_cycles_drop_their_children():

@@ -139,12 +139,32 @@ def received_message_span(tracer, method: str, carrier):
                                         attributes=_rpc_attributes(method))
 
 
+class StreamDetachNoise(logging.Filter):
+    """The aio server instrumentation keeps a stream's span current across its handler's yields; when
+    the client cancels the stream (a backend that stops reading, a shutdown), the generator is closed
+    in another Context, and putting the context back fails with a ValueError that OpenTelemetry
+    catches and logs as an ERROR with a traceback (open-telemetry/opentelemetry-python-contrib#2357,
+    open). Nothing is lost (the span still ends), but every cancelled Generate stream wrote an ERROR
+    traceback to the coordinator's log. Such records are demoted to DEBUG."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if record.getMessage() == "Failed to detach context" and isinstance(error, ValueError) \
+                and "different Context" in str(error):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            return logging.getLogger().isEnabledFor(logging.DEBUG)
+        return True
+
+
 def server_interceptor(tracer_provider=None):
     """grpc.aio server interceptor: continues the caller's trace (W3C traceparent in metadata) and
     records a SERVER span per call. Streaming handlers must be async generators (yield), which
     the instrumentation iterates; health and reflection are not traced."""
     from opentelemetry.instrumentation.grpc import aio_server_interceptor
 
+    context_logger = logging.getLogger("opentelemetry.context")
+    if not any(isinstance(f, StreamDetachNoise) for f in context_logger.filters):
+        context_logger.addFilter(StreamDetachNoise())
     return aio_server_interceptor(tracer_provider=tracer_provider, filter_=_traced_filter())
 
 
