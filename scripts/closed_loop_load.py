@@ -1,6 +1,7 @@
 """Closed-loop load on a running coordinator, as stateless backends make it: each of --clients
 sends one-turn requests (a new session each) back to back for --seconds, and the run prints
-requests/s, tokens/s, time to first token (p50 / p90 / max) and the failures by status code.
+requests/s, tokens/s, time to first token (p50 / p90 / max), the mean request latency and the
+failures by status code.
 
     python scripts/closed_loop_load.py 127.0.0.1:50051 --clients 8 --seconds 60 --tokens 24
 
@@ -40,12 +41,13 @@ async def _client(client: AsyncClient, first: int, stride: int, prompts: list[st
             results["failures"][code] += 1
         else:
             results["ttft"].append(ttft)
+            results["latency"].append(time.monotonic() - started)
             results["tokens"] += count
         index += stride
 
 
 async def run(address: str, clients: int, seconds: float, tokens: int, prompts: list[str]) -> dict:
-    results = {"ttft": [], "tokens": 0, "failures": collections.Counter()}
+    results = {"ttft": [], "latency": [], "tokens": 0, "failures": collections.Counter()}
     async with AsyncClient(address, plaintext=True) as client:
         await client.generate("Warm up.", max_new_tokens=4)
         started = time.monotonic()
@@ -57,6 +59,7 @@ async def run(address: str, clients: int, seconds: float, tokens: int, prompts: 
     return {"clients": clients, "requests": len(ttft), "requests_per_s": round(len(ttft) / wall, 3),
             "tokens_per_s": round(results["tokens"] / wall, 2), "ttft_p50_s": round(quantiles[9], 3),
             "ttft_p90_s": round(quantiles[17], 3), "ttft_max_s": round(max(ttft, default=float("nan")), 3),
+            "latency_mean_s": round(statistics.fmean(results["latency"]), 3) if ttft else float("nan"),
             "failures": dict(results["failures"]), "wall_s": round(wall, 1)}
 
 
