@@ -77,6 +77,7 @@ class SessionTarget:
         self.clock = clock
         self.rebuilds = 0
         self.slot_wait_s = 0.0  # how long a StartSession waits for a KV slot in the target's queue
+        self.give_up_at = 0.0  # when the call being retried fails for good (failover_timeout_s)
 
     @property
     def client(self):
@@ -123,6 +124,7 @@ class SessionTarget:
         failover_timeout_s since the last token."""
         appended, left, stops = list(append_token_ids), num_tokens, frozenset(stop_token_ids)
         deadline, delay, error = self.clock() + self.failover_timeout_s, 0.05, None
+        self.give_up_at = deadline
         ended = False  # the run is complete: an error after its last token needs no resuming
         while not ended:
             try:
@@ -135,7 +137,7 @@ class SessionTarget:
                         position += len(appended) + len(tokens)
                         appended, left, error = [], left - len(tokens), None
                         ended = left <= 0 or bool(tokens) and tokens[-1] in stops
-                        deadline = self.clock() + self.failover_timeout_s
+                        deadline = self.give_up_at = self.clock() + self.failover_timeout_s
                         yield tokens
                 return
             except RECOVERABLE as exc:
@@ -175,7 +177,7 @@ class SessionTarget:
     async def _retrying(self, call, recover):
         """call(client) until it succeeds; after a recoverable error, recover and try again, for
         up to failover_timeout_s."""
-        deadline = self.clock() + self.failover_timeout_s
+        deadline = self.give_up_at = self.clock() + self.failover_timeout_s
         delay, error = 0.05, None
         while True:
             try:
@@ -213,7 +215,7 @@ class SessionTarget:
                 # older than the queue, backs off instead.
                 if self.slot_wait_s:
                     delay = await backoff(delay)
-                self.slot_wait_s = self.failover_timeout_s
+                self.slot_wait_s = max(self.give_up_at - self.clock(), 0.05)  # what is left of the timeout
             await recover(error)
             return delay
         if isinstance(error, ServiceUnavailable):
