@@ -39,6 +39,8 @@ from coordinator.routing import TARGET, Router
 
 log = logging.getLogger(__name__)
 
+SCORE_SLOT_WAIT_S = 30.0  # how long a re-scoring waits for a KV slot on a full baseline target
+
 
 @dataclass(frozen=True)
 class Replay:
@@ -113,8 +115,9 @@ class EqualityChecker:
         prefix (ScoreTokens); (the report unchanged, False) where it cannot be (an older target)."""
         i = report.divergence
         try:
+            # In line for a KV slot if the target is full: an unscored divergence counts towards a rollback.
             (candidate_logit, reference_logit), _ = await self.router.target(endpoint).score_tokens(
-                prompt + reference[:i], [candidate[i], reference[i]])
+                prompt + reference[:i], [candidate[i], reference[i]], slot_wait_s=SCORE_SLOT_WAIT_S)
             dtype = (await self.router.describe(TARGET, endpoint)).model.dtype
         except Exception as exc:  # noqa: BLE001 - unscored, not failed: the policy counts those apart
             log.warning("canary equality check: could not re-score a divergence on %s: %r", endpoint, exc)

@@ -203,12 +203,14 @@ class TargetClient(ServiceClient):
             self._end_turn_unimplemented = True  # this replica then keeps slots for --evict-after
             return False
 
-    async def score_tokens(self, token_ids: Sequence[int], candidate_token_ids: Sequence[int]) -> tuple[list[float], int]:
+    async def score_tokens(self, token_ids: Sequence[int], candidate_token_ids: Sequence[int],
+                           slot_wait_s: float = 0.0) -> tuple[list[float], int]:
         """The target's logits for each candidate after token_ids, and its greedy token there
-        (ScoreTokens: a prefill in a throwaway session)."""
+        (ScoreTokens: a prefill in a throwaway session, which waits up to slot_wait_s for a KV slot)."""
         request = target_pb2.TargetServiceScoreTokensRequest(token_ids=list(token_ids),
-                                                             candidate_token_ids=list(candidate_token_ids))
-        response = await self._call(self._stub.ScoreTokens, request)
+                                                             candidate_token_ids=list(candidate_token_ids),
+                                                             slot_wait_ms=round(slot_wait_s * 1000))
+        response = await self._call(self._stub.ScoreTokens, request, extra_time_s=slot_wait_s)
         return list(response.logits), response.greedy_token_id
 
     async def describe(self) -> TargetDescription:

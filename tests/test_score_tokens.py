@@ -5,6 +5,7 @@ left as they were, including one whose cache the throwaway session evicts."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import re
 import types
@@ -47,6 +48,24 @@ async def test_scores_are_the_models_logits_and_the_greedy_token_plain_decodings
         # The same token a session's plain decoding commits after the prompt.
         _, first = await target.start_session("s", PROMPT, SamplingParams())
         assert first == greedy
+
+
+async def test_scoring_on_a_full_target_waits_in_line_for_a_slot(target_dir):
+    """Every slot held by a session in mid-turn: asked not to wait, ScoreTokens is refused at once;
+    asked to wait (the canary's re-scoring, which would otherwise leave the divergence unscored), it
+    runs once the session's turn ends, and evicts nothing before."""
+    want = _next_logits(target_dir, PROMPT)
+    async with hosted(target_dir, TargetServicer, num_slots=1, max_context=CONTEXT) as (target, servicer):
+        servicer.engine.evict_after_s = 60.0
+        position, _ = await target.start_session("mid-turn", PROMPT, SamplingParams())
+        with pytest.raises(errors.CacheFull):
+            await target.score_tokens(PROMPT, [1])
+        waiting = asyncio.ensure_future(target.score_tokens(PROMPT, [1, 2], slot_wait_s=10.0))
+        await asyncio.sleep(0.3)
+        assert not waiting.done() and servicer.engine.evictions == 0
+        assert await target.end_turn("mid-turn", position)
+        logits, _ = await asyncio.wait_for(waiting, 5.0)
+        assert logits == pytest.approx(want[[1, 2]].tolist(), abs=1e-5)
 
 
 async def test_a_session_evicted_by_the_scoring_decodes_on_unchanged(target_dir):
