@@ -20,26 +20,26 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 import uuid
 from dataclasses import dataclass
 
 from opentelemetry import trace
 
-from specdec.errors import CacheFull, ServiceUnavailable, SessionNotFound
+from specdec.errors import ServiceUnavailable, SessionNotFound
 from specdec.generation.equality import (DEFAULT_TIE_THRESHOLD, EXACT_DTYPES, TIE_ULPS, EqualityReport,
                                          compare_outputs, rescored, tie_threshold)
 from specdec.sampling.params import SamplingMode
 from specdec.store import SessionStore
 
 from coordinator.canary_policy import EqualityResult
-from coordinator.failover import backoff
+from coordinator.failover import SessionTarget
 from coordinator.requests import Pool
 from coordinator.routing import TARGET, Router
 
 log = logging.getLogger(__name__)
 
 SCORE_SLOT_WAIT_S = 30.0  # how long a re-scoring waits for a KV slot on a full baseline target
+REPLAY_TIMEOUT_S = 30.0  # how long a replay waits for a slot, or for a baseline target to answer
 
 
 @dataclass(frozen=True)
@@ -127,38 +127,27 @@ class EqualityChecker:
         return rescored(report, candidate_logit, reference_logit, threshold), True
 
     async def _plain(self, where: list[str], prompt: list[int], n: int, params) -> list[int]:
-        """n tokens of plain decoding after `prompt` on the baseline target where[0], in a throwaway
-        session; where[0] becomes the target that made them."""
+        """n tokens of plain decoding after `prompt` on a baseline target, in a throwaway session:
+        where[0] to begin with, and where[0] becomes the one that made them. The replay goes where a
+        session would (coordinator/failover.py): off a full target to one with room, else in line
+        for a slot (a check must not evict a session), and off a target that stops answering."""
         replay_id = f"canary-replay-{uuid.uuid4().hex}"
-        position, first = await self._start_where_a_slot_is(where, replay_id, prompt, params)
-        client = self.router.target(where[0])
+        tokens = list(prompt)
+
+        async def unguarded() -> None:  # a replay has no record whose owner could change
+            return None
+
+        target = SessionTarget(self.router, Pool.BASELINE, replay_id, params, where[0], committed=lambda: tokens,
+                               guard=unguarded, on_moved=lambda endpoint: where.__setitem__(0, endpoint),
+                               failover_timeout_s=REPLAY_TIMEOUT_S)
         try:
-            rest = await client.decode(replay_id, position, n - 1) if n > 1 else []
-            return [first, *rest]
+            tokens.append(await target.prepare(prompt, need_first=True, new_session=True))
+            if n > 1:
+                tokens += await target.decode(replay_id, len(tokens), n - 1)
+            return tokens[len(prompt):]
         finally:
             with contextlib.suppress(Exception):
-                await client.end_session(replay_id)
-
-    async def _start_where_a_slot_is(self, where: list[str], replay_id: str, prompt: list[int], params,
-                                     wait_s: float = 30.0) -> tuple[int, int]:
-        """StartSession on where[0] or, while every KV slot there is held by sessions in mid-turn, on
-        another baseline target with room (as sessions move, coordinator/failover.py), else in the
-        target's queue for a slot, first come first served: a check must not evict a session."""
-        deadline, delay, slot_wait = time.monotonic() + wait_s, 0.05, 0.0
-        while True:
-            try:
-                return await self.router.target(where[0]).start_session(replay_id, prompt, params,
-                                                                        slot_wait_s=slot_wait)
-            except CacheFull:
-                elsewhere = await self.router.room_elsewhere(Pool.BASELINE, where[0])
-                if elsewhere is not None:
-                    where[0], slot_wait = elsewhere, 0.0
-                    continue
-                if time.monotonic() >= deadline:
-                    raise
-                if slot_wait:  # the wait ran out, or a target older than the queue: back off
-                    delay = await backoff(delay)
-                slot_wait = max(deadline - time.monotonic(), 0.001)
+                await target.end_session(replay_id)
 
     async def _is_exact(self, endpoint: str) -> bool:
         """Whether the target computes in fp32, or batch-invariantly (--batch-invariant: a verify
