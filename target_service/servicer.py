@@ -322,8 +322,8 @@ class TargetServicer(EngineServicer, target_pb2_grpc.TargetServiceServicer):
     async def ScoreTokens(self, request, context):
         tokens, candidates = list(request.token_ids), list(request.candidate_token_ids)
         annotate(**{"specdec.num_prompt_tokens": len(tokens), "specdec.num_candidates": len(candidates)})
-        logits, greedy = await self.slot_queue.admit(
-            lambda: self._step("score", len(tokens), self.engine.score, tokens, candidates), request.slot_wait_ms / 1000)
+        score = functools.partial(self._step, "score", len(tokens), self.engine.score, tokens, candidates)
+        logits, greedy = await self.slot_queue.admit(score, request.slot_wait_ms / 1000)
         return target_pb2.TargetServiceScoreTokensResponse(logits=logits, greedy_token_id=greedy)
 
     async def GetInfo(self, request, context):

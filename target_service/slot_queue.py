@@ -5,7 +5,8 @@ backoff; a slot that freed then went to whichever StartSession arrived first, us
 that had not waited at all, while a session backed off to a second between tries lost every race
 and failed after its caller's timeout with the replica busy all along. Here a StartSession that asks
 to wait joins a queue; only the head of the queue tries for a slot (every poll_s, as slots free
-when turns end, sessions end or idle ones age past --evict-after), and a newcomer while others
+when turns end, sessions end or idle ones age past --evict-after; the others sleep until they are
+the head), and a newcomer while others
 wait is refused at once (slot_wait_ms 0, so its caller may try another replica) or queues behind
 them. A waiter that gives up (its deadline, a cancelled call) leaves the queue.
 """
@@ -27,7 +28,7 @@ class SlotQueue:
     def __init__(self, poll_s: float = 0.02, clock: Callable[[], float] = time.monotonic):
         self.poll_s = poll_s
         self.clock = clock
-        self._waiting: collections.deque[object] = collections.deque()
+        self._waiting: collections.deque[asyncio.Event] = collections.deque()
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -45,19 +46,25 @@ class SlotQueue:
             raise CacheFull(f"every KV cache slot is in use and {len(self._waiting)} sessions are waiting for "
                             "one; retry later, or with slot_wait_ms to wait in turn")
         deadline = self.clock() + wait_s
-        ticket = object()
+        ticket = asyncio.Event()  # set when it reaches the head of the queue
         self._waiting.append(ticket)
         try:
             while True:
-                if self._waiting[0] is ticket:
+                if self._waiting[0] is ticket:  # only the head polls: one wake-up per poll_s, however long the line
                     try:
                         return await start()
                     except CacheFull:
                         if self.clock() >= deadline:
                             raise
-                elif self.clock() >= deadline:
+                    await asyncio.sleep(self.poll_s)
+                    continue
+                try:
+                    await asyncio.wait_for(ticket.wait(), max(deadline - self.clock(), 0.0))
+                except asyncio.TimeoutError:
                     raise CacheFull(f"waited {wait_s:g} s for a KV cache slot behind {self._waiting.index(ticket)} "
-                                    "other sessions; retry later or route to another replica")
-                await asyncio.sleep(self.poll_s)
+                                    "other sessions; retry later or route to another replica") from None
         finally:
+            was_head = self._waiting[0] is ticket
             self._waiting.remove(ticket)
+            if was_head and self._waiting:
+                self._waiting[0].set()
