@@ -121,8 +121,24 @@ class _BaselineRouter:
 
 
 class _OlderTarget(TargetServicer):
+    end_turn_calls = 0
+
     async def ScoreTokens(self, request, context):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+
+    async def EndTurn(self, request, context):
+        self.end_turn_calls += 1
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+
+
+async def test_a_target_older_than_end_turn_is_asked_once(target_dir):
+    """EndTurn is best effort: a target without it answers UNIMPLEMENTED, the client says not
+    released, and does not ask that replica again (its slots are then kept for --evict-after)."""
+    async with hosted(target_dir, _OlderTarget, num_slots=1, max_context=CONTEXT) as (target, servicer):
+        position, _ = await target.start_session("s", PROMPT, SamplingParams())
+        assert await target.end_turn("s", position) is False
+        assert await target.end_turn("s", position) is False
+        assert servicer.end_turn_calls == 1
 
 
 @pytest.mark.parametrize("servicer_class, threshold, pick, result, batch_invariant", [
