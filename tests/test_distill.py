@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -93,6 +94,17 @@ def test_magpie_prefixes_and_passage_tasks(tokenizer):
     assert len({p.category for p in prefixes}) > 5
     tasks = passage_tasks(seeds, [("Q one?", "Answer one. More."), ("Q two?", "Answer two.")], 20, random.Random(0))
     assert all("Answer" in text for text, _ in tasks)
+
+
+def test_stem_topic_starters_use_the_seeds_stem_topics_or_fall_back_to_topics(tokenizer):
+    seeds = load_seeds()
+    starters = {**seeds.starters, "stem": ["In the field of {stem_topic}, what is"]}
+    steered = dataclasses.replace(seeds, starters=starters)
+    texts = {p.starter.strip() for p in magpie_prefixes(steered, tokenizer, 400, random.Random(2)) if p.category == "stem"}
+    assert texts and all(any(t == f"In the field of {s}, what is" for s in seeds.stem_topics) for t in texts)
+    without = dataclasses.replace(steered, stem_topics=[])  # an older seed corpus: the general topics fill it
+    texts = {p.starter.strip() for p in magpie_prefixes(without, tokenizer, 400, random.Random(2)) if p.category == "stem"}
+    assert texts and all(any(t == f"In the field of {s}, what is" for s in seeds.topics) for t in texts)
 
 
 def test_summaries_join_passages_and_prefer_news_articles():

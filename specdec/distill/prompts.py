@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
@@ -20,10 +20,14 @@ from pathlib import Path
 # "news" asks for articles and reports: their answers are the passages summarization tasks prefer, because
 # Spec-Bench's summarization prompts are news articles of ~600 tokens (the shipped draft's weakest category
 # at 0.57 agreement was trained on single answers of at most 320 tokens as passages).
+# Recipe v3 moves share to the categories that stayed below 0.7 agreement after v1 and v2 (qa, stem,
+# writing, math) and adds starters in the form of their prompts: capitalised trivia questions, multi-part
+# STEM questions on a science topic (the seeds' stem_topics), writing tasks with a constraint, geometry and
+# counting problems (docs/DISTILLATION.md, "Recipe v3").
 STARTER_WEIGHTS = {
-    "open": 0.22, "writing": 0.07, "roleplay": 0.04, "reasoning": 0.04, "math": 0.05, "math_word": 0.10,
-    "coding": 0.06, "extraction": 0.03, "stem": 0.08, "humanities": 0.05, "translation": 0.10,
-    "summarization": 0.02, "qa": 0.10, "advice": 0.04, "news": 0.06,
+    "open": 0.15, "writing": 0.09, "roleplay": 0.03, "reasoning": 0.04, "math": 0.07, "math_word": 0.08,
+    "coding": 0.05, "extraction": 0.03, "stem": 0.12, "humanities": 0.04, "translation": 0.07,
+    "summarization": 0.02, "qa": 0.13, "advice": 0.03, "news": 0.05,
 }
 PASSAGE_TASK_WEIGHTS = {"summarization": 0.4, "rag": 0.33, "extraction": 0.09, "translation": 0.09, "rewriting": 0.09}
 NEWS_SOURCE_PREFERENCE = 0.7  # a summarization task's first passage is a "news" answer this often, if any
@@ -40,6 +44,7 @@ class Seeds:
     items: list[str]
     starters: dict[str, list[str]]
     passage_tasks: dict[str, list[str]]
+    stem_topics: list[str] = field(default_factory=list)  # {stem_topic}; falls back to the general topics
 
 
 @dataclass(frozen=True)
@@ -57,7 +62,7 @@ def load_seeds(path: str | Path | None = None) -> Seeds:
     else:
         text = Path(path).read_text(encoding="utf-8")
     raw = json.loads(text)
-    return Seeds(**{k: raw[k] for k in Seeds.__dataclass_fields__})
+    return Seeds(**{k: raw[k] for k in Seeds.__dataclass_fields__ if k in raw})
 
 
 def chat_messages(user: str, system: str | None = None) -> list[dict[str, str]]:
@@ -83,6 +88,7 @@ def _fill(template: str, seeds: Seeds, rng: random.Random) -> str:
     return template.format(
         topic=rng.choice(seeds.topics), lang=rng.choice(seeds.languages), name=name, name2=name2,
         item=rng.choice(seeds.items), n1=n1, n2=n2, n3=rng.randint(20, 900),
+        stem_topic=rng.choice(seeds.stem_topics or seeds.topics),
     )
 
 
