@@ -19,7 +19,7 @@ from typing import Callable
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
-from specdec.errors import ServiceUnavailable, SessionNotFound
+from specdec.errors import CacheFull, ServiceUnavailable, SessionNotFound
 from specdec.engine.cycle_cost import CycleCost
 from specdec.generation.session import LoopObserver
 from specdec.observability import spans
@@ -60,6 +60,8 @@ def fallback_reason(error: Exception) -> str:
         return "unavailable"
     if isinstance(error, SessionNotFound):
         return "session_lost"
+    if isinstance(error, CacheFull):
+        return "draft_full"  # every draft KV slot held by sessions in mid-turn: load, not a fault
     return "error"
 
 

@@ -63,6 +63,7 @@ class DraftServiceSettings:
     num_draft_tokens: int = 4
     max_draft_tokens: int = 16
     session_ttl_s: float = 600.0
+    evict_after_s: float = 1.0  # --evict-after: a session that drafted this recently keeps its KV slot
     ready_file: Path | None = None
     test_delay_ms: int = 0  # TEST ONLY: every Propose sleeps this long (a slow draft, docs/CANARY.md)
     batching: service.BatchSettings = service.BatchSettings()
@@ -77,6 +78,8 @@ class DraftServiceSettings:
                                      self.batch_invariant_rows)
         if self.top_m < 0:
             raise ConfigError(f"--top-m must be >= 0 (0 = the full distribution), got {self.top_m}")
+        if not self.evict_after_s >= 0:  # also refuses NaN
+            raise ConfigError(f"--evict-after must be >= 0 seconds, got {self.evict_after_s}")
         if not 0.0 <= self.copy_below <= 1.0:  # also refuses NaN
             raise ConfigError(f"--copy-below must be in [0, 1] (0 = never copy), got {self.copy_below}")
         if not 1 <= self.ngram_min <= self.ngram_max:
@@ -115,6 +118,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--test-delay-ms", type=int, default=0,
                    help="TEST ONLY: make every Propose this much slower (a slow draft for canary tests)")
     service.add_model_arguments(g, num_slots_help="draft KV cache slots (idle sessions are evicted)")
+    g.add_argument("--evict-after", type=float, default=1.0,
+                   help="seconds a session keeps its draft KV slot after it last drafted: when more sessions are "
+                        "active than --num-slots fit, a new one is refused and decodes without the draft for a "
+                        "few cycles (its coordinator's --retry-draft-after) instead of evicting one in the "
+                        "middle of a turn, which would re-feed it (0: evict any session not in the batch)")
     service.add_batching_arguments(g, what="Propose calls")
     add_server_arguments(parser, port=DEFAULT_PORT, metrics_port=DEFAULT_METRICS_PORT)
 
@@ -125,7 +133,7 @@ def settings_from_args(args: argparse.Namespace) -> DraftServiceSettings:
         proposer=args.proposer, model=args.model, tokenizer=args.tokenizer, top_m=args.top_m,
         copy_below=args.copy_below, head_vocab=args.head_vocab,
         ngram_max=args.ngram_max, ngram_min=args.ngram_min, num_draft_tokens=args.num_draft_tokens,
-        max_draft_tokens=args.max_draft_tokens, test_delay_ms=args.test_delay_ms,
+        max_draft_tokens=args.max_draft_tokens, test_delay_ms=args.test_delay_ms, evict_after_s=args.evict_after,
         batching=service.batch_settings_from_args(args), **service.model_settings_from_args(args),
     )
 
@@ -159,7 +167,8 @@ def build_engine(settings: DraftServiceSettings):
                            compile_layers=settings.compile_layers, graph_warmup_context=settings.graph_warmup_context,
                            fused_decode=True, batch_invariant=settings.batch_invariant,
                            batch_invariant_rows=settings.batch_invariant_rows)
-        proposer = DraftModelProposer(model, top_m=settings.top_m, copy=CopyRule(settings.copy_below))
+        proposer = DraftModelProposer(model, top_m=settings.top_m, copy=CopyRule(settings.copy_below),
+                                      evict_after_s=settings.evict_after_s)
         info, top_m = model.info, settings.top_m
     engine = DraftEngine(proposer, idle_ttl_s=settings.session_ttl_s, max_draft_tokens=settings.max_draft_tokens)
     if settings.test_delay_ms > 0:  # begin_propose: every Propose passes it, batched or not

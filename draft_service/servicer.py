@@ -126,6 +126,7 @@ class DraftServicer(EngineServicer, draft_pb2_grpc.DraftServiceServicer):
         self._session_num_draft_tokens: dict[str, int] = {}  # ProposerOptions.num_draft_tokens, if set
         self.message_streams = MessageStreams()  # the open ProposeStreams, ended when the service stops
         metrics.sessions_in_turn.set_function(lambda: engine.sessions.in_turn(1.0))  # a Propose a cycle
+        self._evictions_seen = 0
         self.update_gauges()
 
     # ---- RPCs ------------------------------------------------------------------------------
@@ -226,6 +227,10 @@ class DraftServicer(EngineServicer, draft_pb2_grpc.DraftServiceServicer):
         if model is not None:
             self.metrics.kv_cache_slots_total.set(model.num_slots)
             self.metrics.kv_cache_slots_used.set(model.num_slots - model.num_free_slots)
+        evictions = getattr(self.engine.proposer, "evictions", 0)  # the draft model's; n-gram holds no cache
+        if evictions > self._evictions_seen:
+            self.metrics.evictions.inc(evictions - self._evictions_seen)
+            self._evictions_seen = evictions
 
     async def aclose(self) -> None:
         await self.batcher.aclose()

@@ -5,9 +5,10 @@ failures by status code.
 
     python scripts/closed_loop_load.py 127.0.0.1:50051 --clients 8 --seconds 60 --tokens 24
 
-Prompts are the first turns of ../shared/data/specbench/dev.jsonl (or --prompts), cut to 400
-characters. Past the targets' --num-slots concurrent sessions it measures admission: how freed KV
-slots go to waiting sessions (docs/DEPLOYMENT.md, "More sessions than KV slots").
+Prompts are the first turns of ../shared/data/specbench/dev.jsonl (or --prompts), cut to
+--prompt-chars characters (400). Past the targets' --num-slots concurrent sessions it measures
+admission: how freed KV slots go to waiting sessions (docs/DEPLOYMENT.md, "More sessions than KV
+slots"); past a draft's, how sessions without a draft slot fare.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ async def _client(client: AsyncClient, first: int, stride: int, prompts: list[st
     while time.monotonic() < end:
         started, ttft, count = time.monotonic(), None, 0
         try:
-            async for chunk in client.stream(prompts[index % len(prompts)][:400], max_new_tokens=tokens,
+            async for chunk in client.stream(prompts[index % len(prompts)], max_new_tokens=tokens,
                                              ignore_eos=True):
                 if ttft is None and chunk.token_ids:
                     ttft = time.monotonic() - started
@@ -70,8 +71,11 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--tokens", type=int, default=24, help="max_new_tokens of each request")
     parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="a Spec-Bench style JSONL file")
+    parser.add_argument("--prompt-chars", type=int, default=400,
+                        help="cut each prompt to this many characters (longer prompts: a costlier re-prefill)")
     args = parser.parse_args()
-    prompts = [json.loads(line)["turns"][0] for line in args.prompts.read_text().splitlines() if line.strip()]
+    prompts = [json.loads(line)["turns"][0][:args.prompt_chars]
+               for line in args.prompts.read_text().splitlines() if line.strip()]
     print(json.dumps(asyncio.run(run(args.address, args.clients, args.seconds, args.tokens, prompts))))
 
 

@@ -20,7 +20,7 @@ from typing import Sequence
 from specdec.engine.api import DraftAPI, TargetAPI
 from specdec.engine.cycle_cost import CycleCost, measure_cycle
 from specdec.engine.inner_draft import PROPOSERS as INNER_PROPOSERS
-from specdec.errors import ServiceUnavailable, SessionNotFound
+from specdec.errors import CacheFull, ServiceUnavailable, SessionNotFound
 from specdec.generation.adaptive import DraftLengthPolicy
 from specdec.generation import draft_opening
 from specdec.generation.draft_feed import DraftFeed
@@ -223,7 +223,10 @@ class SpeculativeLoop:
             with self.observer.step("propose"):
                 return await self._propose(cursor, k)
         except Exception as exc:  # a failing draft never fails a request
-            log.warning("draft failed for session %s, decoding plainly: %s", cursor.session_id, exc)
+            # A draft with every slot in use is load, not a fault (the fallbacks metric counts it by
+            # reason): logged per session every few cycles, it would flood the log of a busy coordinator.
+            level = logging.DEBUG if isinstance(exc, CacheFull) else logging.WARNING
+            log.log(level, "draft failed for session %s, decoding plainly: %s", cursor.session_id, exc)
             cursor.draft_ready = False
             self.observer.fell_back(exc)
             return None

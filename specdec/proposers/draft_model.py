@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Collection, Sequence
+from typing import Callable, Collection, Sequence
 
 from specdec.errors import CacheFull, InvalidArgument
 from specdec.models import cpu_scores
@@ -31,6 +32,7 @@ import torch
 class _DraftSlot:
     session_id: str
     slot: int | None = None
+    last_used: float = 0.0  # when it last drafted (the proposer's clock): mid-turn sessions keep their slot
     # Reduced head only: the session's own tokens that lie outside it, scored as extra columns. Text
     # copies from its context (names, numbers, code identifiers); with these the draft agrees with
     # the target as often as with its full head (docs/DISTILLATION.md) at a fraction of the cost.
@@ -92,11 +94,23 @@ class _Drafting:
 class DraftModelProposer:
     name = "draft-model"
 
-    def __init__(self, model: CausalLM, top_m: int = 64, copy: CopyRule | None = None):
+    def __init__(self, model: CausalLM, top_m: int = 64, copy: CopyRule | None = None, evict_after_s: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic):
         """copy: where the draft is unsure, propose what followed the same n-gram earlier in the
-        session instead (copy_guess.py); None or a threshold of 0: never."""
+        session instead (copy_guess.py); None or a threshold of 0: never.
+        evict_after_s: a session that drafted this recently keeps its KV slot; when every slot is held
+        by such sessions a new one is refused (CacheFull: its coordinator decodes plainly and retries)
+        instead of evicting one in the middle of a turn, which would re-feed its whole sequence on its
+        next cycle and, with more active sessions than slots, on every cycle of every session.
+        0: evict the least recently used session whatever its age (a target's hosted draft, whose
+        slots mirror the target's sessions)."""
         if top_m < 0:
             raise InvalidArgument(f"top_m must be >= 0 (0 = full distribution), got {top_m}")
+        if not evict_after_s >= 0:
+            raise InvalidArgument(f"evict_after_s must be >= 0, got {evict_after_s}")
+        self.evict_after_s = evict_after_s
+        self._clock = clock
+        self.evictions = 0  # sessions whose slot went to another (the service's evictions counter)
         self.model = model
         self.top_m = top_m
         self.copy = copy if copy is not None and copy.below > 0 else None
@@ -362,6 +376,8 @@ class DraftModelProposer:
 
     def _ensure_slot(self, state: _DraftSlot, busy: Collection[str] = ()) -> int:
         self._open.move_to_end(state.session_id)
+        now = self._clock()
+        state.last_used = now
         if state.slot is not None:
             return state.slot
         while True:
@@ -369,11 +385,18 @@ class DraftModelProposer:
                 state.slot = self.model.allocate()
                 return state.slot
             except CacheFull:
-                # Evict the least recently used other session: it re-feeds its tokens when next used.
+                # Evict the least recently used other session that is idle: it re-feeds its tokens when next used.
+                idle_before = now - self.evict_after_s
                 victim = next((s for s in self._open.values()
-                               if s.slot is not None and s is not state and s.session_id not in busy), None)
+                               if s.slot is not None and s is not state and s.session_id not in busy
+                               and (self.evict_after_s == 0 or s.last_used <= idle_before)), None)
                 if victim is None:
-                    raise
+                    raise CacheFull(
+                        f"every draft KV slot ({self.model.num_slots}) is held by a session that drafted in the "
+                        f"last {self.evict_after_s:g} s (the draft service's --evict-after); this session "
+                        "decodes without the draft until one frees, or add draft replicas or --num-slots"
+                    ) from None
                 self.model.free(victim.slot)
                 victim.slot = None
+                self.evictions += 1
 
