@@ -319,6 +319,17 @@ class SessionDraft:
             return False
         return await self._call(lambda c: c.end_session(session_id))
 
+    async def end_turn(self, session_id: str) -> bool:
+        """The turn ended: the draft replica may give the session's slot to another session at once
+        instead of keeping it for its --evict-after. Best effort: no retry, no failover."""
+        if self._broken:
+            return False
+        try:
+            return await self.router.draft(self.endpoint).end_turn(session_id)
+        except Exception as exc:  # noqa: BLE001 - only slot reuse is lost; --evict-after frees it anyway
+            log.info("session %s: EndTurn on draft %s failed: %r", session_id, self.endpoint, exc)
+            return False
+
     async def info(self):
         return (await self.router.describe(DRAFT, self.endpoint)).model
 

@@ -307,8 +307,10 @@ class Turn:
         if how is not StopRequest.INTERRUPT:
             fields["status"] = SessionStatus.CANCELLED if how else SessionStatus.FINISHED
         await self.recorder.update({**fields, "extra": turn.to_extra()})
-        if how is not StopRequest.CANCEL:  # the caches stay for the next turn, the target's slot is free
+        if how is not StopRequest.CANCEL:  # the caches stay for the next turn, the slots are free
             _in_background(self.target.end_turn(len(self.cursor.tokens)))
+            if self.draft is not None and self.cursor.draft_ready:
+                _in_background(self.draft.end_turn(self.plan.session_id))
         return Finished(result.finish_reason, result.stats, self.observer.proposer,
                         interrupted=how is StopRequest.INTERRUPT)
 

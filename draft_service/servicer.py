@@ -195,6 +195,12 @@ class DraftServicer(EngineServicer, draft_pb2_grpc.DraftServiceServicer):
                 msg.draft_distributions.CopyFrom(pack_distributions(branch.block))
         return response
 
+    async def EndTurn(self, request, context):
+        check_session_id(request.session_id)
+        annotate(**{SPECDEC_SESSION_ID: request.session_id})
+        released = await self._run(self.engine.end_turn, request.session_id)
+        return draft_pb2.DraftServiceEndTurnResponse(released=released)
+
     async def ProposeStream(self, requests, context):
         # Each message is a Propose call; a refusal ends the stream with that call's status.
         async for message in self.message_streams.requests(requests):

@@ -9,14 +9,18 @@ from __future__ import annotations
 import asyncio
 import urllib.request
 
+import grpc
+import grpc.aio
 import pytest
 
 from coordinator_harness import Reference, running_coordinator, tokens_of
+from draft_service.client import DraftClient
 from service_procs import launch, stop_all, wait_all
 from specdec.engine.draft import DraftEngine
 from specdec.errors import CacheFull, InvalidArgument
 from specdec.models.loader import load_model
 from specdec.proposers.draft_model import DraftModelProposer
+from specdec.rpc import draft_pb2_grpc
 from specdec.sampling.params import SamplingParams
 
 CONTEXT = 256
@@ -64,6 +68,31 @@ def test_a_session_that_drafted_lately_keeps_its_slot(model_dirs):
     assert engine.proposer.evictions == 2
 
 
+def test_a_session_between_turns_gives_its_draft_slot_up_at_once(model_dirs):
+    """EndTurn: the slot of a session whose turn ended goes to a new session without waiting out
+    --evict-after; drafting again keeps it again, and once evicted the session drafts from its
+    re-fed sequence as if it had never lost its cache."""
+    now = [0.0]
+    engine = _engine(model_dirs["draft"], slots=1, evict_after_s=60.0, clock=lambda: now[0])
+    roomy = _engine(model_dirs["draft"], slots=4)
+    for e in (engine, roomy):
+        for name in ("a", "b"):
+            e.start_session(name, PROMPT, GREEDY)
+    engine.propose("a", len(PROMPT), [], 3)
+    assert not engine.end_turn("unknown")
+    assert engine.end_turn("a") and engine.sessions.in_turn(1.0) == 1  # b, just started; a is between turns
+    engine.propose("a", len(PROMPT), [], 3)  # a's next turn: the slot is kept again
+    with pytest.raises(CacheFull):
+        engine.propose("b", len(PROMPT), [], 3)
+    assert engine.end_turn("a")
+    got = engine.propose("b", len(PROMPT), [], 3).block.token_ids.tolist()  # 0 s later, evict_after 60 s
+    assert got == roomy.propose("b", len(PROMPT), [], 3).block.token_ids.tolist()
+    assert engine.proposer.evictions == 1 and _slot(engine, "a") is None
+    assert engine.end_turn("b")
+    got = engine.propose("a", len(PROMPT), [5], 3).block.token_ids.tolist()  # re-fed into b's slot
+    assert got == roomy.propose("a", len(PROMPT), [5], 3).block.token_ids.tolist()
+
+
 def test_without_evict_after_the_least_recently_used_session_is_evicted(model_dirs):
     """0 (a target's hosted draft, whose slots mirror the target's sessions): the old rule."""
     engine = _engine(model_dirs["draft"], slots=1)
@@ -107,4 +136,44 @@ async def test_sessions_past_the_draft_slots_decode_plainly_instead_of_thrashing
     draft_metrics = services["draft"].metrics()
     evictions = next(float(line.split()[-1]) for line in draft_metrics.splitlines()
                      if line.startswith("specdec_draft_evictions_total"))
-    assert evictions == 0, "no session in mid-turn lost its draft slot"
+    # A session loses its slot only after its turn (EndTurn); thrashing evicts one every cycle.
+    assert evictions < len(prompts), f"{evictions} draft evictions for {len(prompts)} sessions on one slot"
+
+
+async def test_a_finished_turn_frees_its_draft_slot_for_the_next_session(redis_url, model_dirs, services):
+    """The draft's one slot is kept 60 s after each Propose: only the coordinator's EndTurn at the end
+    of a turn lets the next session draft (without it, every later session decodes plainly)."""
+    reference = Reference(model_dirs["target"], CONTEXT)
+    async with running_coordinator(redis_url, model_dirs["target"], [services["target"].address],
+                                   [services["draft"].address], retry_draft_after=2) as c:
+        answers = []
+        for i in range(3):
+            answers.append(await c.generate(prompt=f"Tale {i}.", max_new_tokens=30, ignore_eos=True))
+    for i, answer in enumerate(answers):
+        assert tokens_of(answer) == reference.continuation(reference.prompt_ids(f"Tale {i}."), 30)
+        assert answer[-1].stats.cycles > 0, f"session {i} never drafted: the draft kept the last one's slot"
+
+
+class _OlderDraft(draft_pb2_grpc.DraftServiceServicer):
+    end_turn_calls = 0
+
+    async def EndTurn(self, request, context):
+        self.end_turn_calls += 1
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+
+
+async def test_a_draft_older_than_end_turn_is_asked_once():
+    """EndTurn is best effort: a draft without it answers UNIMPLEMENTED, the client says not
+    released, and does not ask that replica again (its slots are then kept for --evict-after)."""
+    server, servicer = grpc.aio.server(), _OlderDraft()
+    draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            client = DraftClient(channel, timeout_s=5.0)
+            assert await client.end_turn("s") is False
+            assert await client.end_turn("s") is False
+        assert servicer.end_turn_calls == 1
+    finally:
+        await server.stop(None)

@@ -134,7 +134,7 @@ SERVICES = {
         "GetInfo", "ScoreTokens",
     },
     (draft_pb2, draft_pb2_grpc, "DraftService"): {
-        "StartSession", "Propose", "ProposeStream", "Truncate", "EndSession", "GetInfo"
+        "StartSession", "Propose", "ProposeStream", "Truncate", "EndSession", "EndTurn", "GetInfo"
     },
     (coordinator_pb2, coordinator_pb2_grpc, "CoordinatorService"): {
         "Generate", "Cancel", "GetSession", "EndSession",

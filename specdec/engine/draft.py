@@ -282,6 +282,18 @@ class DraftEngine:
         self.proposer.close(state.proposer_state)
         return True
 
+    def end_turn(self, session_id: str) -> bool:
+        """The session's turn ended: its draft slot may go to another session before the proposer's
+        evict_after_s has passed (its next Propose keeps it again). False for an unknown session."""
+        state = self.sessions.peek(session_id)  # peek: ending a turn is not a use
+        if state is None:
+            return False
+        state.between_turns = True  # no longer counted in sessions_in_turn
+        release = getattr(self.proposer, "end_turn", None)  # proposers that hold a KV slot
+        if release is not None:
+            release(state.proposer_state)
+        return True
+
     def expire_idle(self) -> list[str]:
         expired = [s.session_id for s in self.sessions.expired()]
         for session_id in expired:

@@ -84,5 +84,8 @@ class LocalDraft:
     async def end_session(self, session_id: str) -> bool:
         return self.engine.end_session(session_id)
 
+    async def end_turn(self, session_id: str) -> bool:
+        return self.engine.end_turn(session_id)
+
     async def info(self) -> ModelInfo | None:
         return self.engine.info

@@ -33,6 +33,7 @@ class _DraftSlot:
     session_id: str
     slot: int | None = None
     last_used: float = 0.0  # when it last drafted (the proposer's clock): mid-turn sessions keep their slot
+    between_turns: bool = False  # its turn ended (EndTurn): its slot may go to another session at once
     # Reduced head only: the session's own tokens that lie outside it, scored as extra columns. Text
     # copies from its context (names, numbers, code identifiers); with these the draft agrees with
     # the target as often as with its full head (docs/DISTILLATION.md) at a fraction of the cost.
@@ -140,6 +141,10 @@ class DraftModelProposer:
             self.model.free(state.slot)
             state.slot = None
         self._open.pop(state.session_id, None)
+
+    def end_turn(self, state: _DraftSlot) -> None:
+        """The session's turn ended: its cache stays, but its slot is evictable at once, until it drafts again."""
+        state.between_turns = True
 
     def rollback(self, state: _DraftSlot, length: int) -> None:
         if state.slot is not None and self.model.length(state.slot) > length:
@@ -377,7 +382,7 @@ class DraftModelProposer:
     def _ensure_slot(self, state: _DraftSlot, busy: Collection[str] = ()) -> int:
         self._open.move_to_end(state.session_id)
         now = self._clock()
-        state.last_used = now
+        state.last_used, state.between_turns = now, False
         if state.slot is not None:
             return state.slot
         while True:
@@ -389,7 +394,8 @@ class DraftModelProposer:
                 idle_before = now - self.evict_after_s
                 victim = next((s for s in self._open.values()
                                if s.slot is not None and s is not state and s.session_id not in busy
-                               and (self.evict_after_s == 0 or s.last_used <= idle_before)), None)
+                               and (self.evict_after_s == 0 or s.between_turns or s.last_used <= idle_before)),
+                              None)
                 if victim is None:
                     raise CacheFull(
                         f"every draft KV slot ({self.model.num_slots}) is held by a session that drafted in the "
