@@ -66,8 +66,6 @@ class DraftClient(ServiceClient):
                     lambda request: draft_pb2.DraftServiceProposeStreamRequest(propose=request),
                     lambda message: message.propose)
 
-    _end_turn_unimplemented = False  # set once the draft answered EndTurn with UNIMPLEMENTED
-
     def __init__(
         self,
         channel: grpc.aio.Channel,
@@ -121,21 +119,9 @@ class DraftClient(ServiceClient):
                         alternatives=branches)
 
     async def end_turn(self, session_id: str) -> bool:
-        """The session's turn ended: its draft slot may go to another session at once (EndTurn). Also
-        closes the session's Propose stream, which the next turn reopens. False when the draft did not
-        release it, or is older than EndTurn."""
-        if self._cycle_streams is not None:
-            self._cycle_streams.close(session_id)
-        if self._end_turn_unimplemented:
-            return False
-        request = draft_pb2.DraftServiceEndTurnRequest(session_id=session_id)
-        try:
-            return (await self._call(self._stub.EndTurn, request, session_id)).released
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
-                raise
-            self._end_turn_unimplemented = True  # this replica then keeps slots for --evict-after
-            return False
+        """The session's turn ended: its draft slot may go to another session at once (EndTurn;
+        ServiceClient._end_turn)."""
+        return await self._end_turn(draft_pb2.DraftServiceEndTurnRequest(session_id=session_id), session_id)
 
     async def describe(self) -> DraftDescription:
         response = await self._call(self._stub.GetInfo, draft_pb2.DraftServiceGetInfoRequest())

@@ -61,7 +61,6 @@ class TargetClient(ServiceClient):
                     lambda request: target_pb2.TargetServiceVerifyStreamRequest(verify=request),
                     lambda message: message.verify)
     _decode_stream_unimplemented = False  # set once the target answered DecodeStream with UNIMPLEMENTED
-    _end_turn_unimplemented = False  # set once a target answered EndTurn with UNIMPLEMENTED
 
     async def start_session(
         self, session_id: str, token_ids: Sequence[int], params: SamplingParams, sample_first_token: bool = True,
@@ -187,21 +186,10 @@ class TargetClient(ServiceClient):
             call.cancel()  # a no-op once the stream ended
 
     async def end_turn(self, session_id: str, position: int) -> bool:
-        """The session's turn ended at position: its KV slot may go to a new session at once (EndTurn).
-        Also closes the session's cycle stream, which the next turn reopens. False when the target
-        did not release it, or is older than EndTurn."""
-        if self._cycle_streams is not None:
-            self._cycle_streams.close(session_id)
-        if self._end_turn_unimplemented:
-            return False
+        """The session's turn ended at position: its KV slot may go to a new session at once (EndTurn;
+        ServiceClient._end_turn)."""
         request = target_pb2.TargetServiceEndTurnRequest(session_id=session_id, position=position)
-        try:
-            return (await self._call(self._stub.EndTurn, request, session_id)).released
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
-                raise
-            self._end_turn_unimplemented = True  # this replica then keeps slots for --evict-after
-            return False
+        return await self._end_turn(request, session_id)
 
     async def score_tokens(self, token_ids: Sequence[int], candidate_token_ids: Sequence[int],
                            slot_wait_s: float = 0.0) -> tuple[list[float], int]:

@@ -158,6 +158,24 @@ class ServiceClient:
         request = self.END_SESSION_REQUEST(session_id=session_id)
         return (await self._call(self._stub.EndSession, request, session_id)).existed
 
+    _end_turn_unimplemented = False  # set once the replica answered EndTurn with UNIMPLEMENTED
+
+    async def _end_turn(self, request, session_id: str) -> bool:
+        """EndTurn, which both services define: the session's slot may go to another session at once.
+        Also closes the session's cycle stream, which the next turn reopens. False when the replica did
+        not release it, or is older than EndTurn (asked once: it then keeps slots for --evict-after)."""
+        if self._cycle_streams is not None:
+            self._cycle_streams.close(session_id)
+        if self._end_turn_unimplemented:
+            return False
+        try:
+            return (await self._call(self._stub.EndTurn, request, session_id)).released
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            self._end_turn_unimplemented = True
+            return False
+
     async def info(self):
         return (await self.describe()).model
 
