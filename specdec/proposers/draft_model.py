@@ -396,6 +396,8 @@ class DraftModelProposer:
                                if s.slot is not None and s is not state and s.session_id not in busy
                                and (self.evict_after_s == 0 or s.between_turns or s.last_used <= idle_before)),
                               None)
+                if victim is None and self.evict_after_s == 0:
+                    raise  # every slot is held by a row of this batch
                 if victim is None:
                     raise CacheFull(
                         f"every draft KV slot ({self.model.num_slots}) is held by a session that drafted in the "
