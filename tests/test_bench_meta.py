@@ -1,6 +1,6 @@
 """The benchmark report's record of the working tree (specdec/bench/meta.py)."""
 
-from specdec.bench.meta import tree_changes
+from specdec.bench.meta import cpu_identity, tree_changes
 
 
 def test_deleted_reports_are_counted_and_changed_code_is_listed():
@@ -15,3 +15,12 @@ def test_deleted_reports_are_counted_and_changed_code_is_listed():
 
 def test_a_clean_tree_has_no_changes():
     assert tree_changes("") == {"modified_tracked_files": [], "deleted_tracked_files": [], "deleted_docs_files": 0}
+
+
+def test_the_cpu_is_named_by_family_model_and_vector_extensions():
+    cpuinfo = "\n".join(["processor\t: 0", "vendor_id\t: AuthenticAMD", "cpu family\t: 25", "model\t\t: 1",
+                         "model name\t: AMD EPYC", "stepping\t: 1", "flags\t\t: fpu sse avx2 fma bmi2", "",
+                         "processor\t: 1", "vendor_id\t: AuthenticAMD", "flags\t\t: fpu avx512f"])
+    assert cpu_identity(cpuinfo) == {"vendor": "AuthenticAMD", "family": "25", "model": "1", "stepping": "1",
+                                     "simd": ["avx2", "fma"]}  # the first CPU's block only
+    assert cpu_identity("")["simd"] == []

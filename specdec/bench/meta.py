@@ -29,6 +29,33 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
+# The vector extensions that decide a CPU's matrix-product speed. Two hosts that both call themselves
+# "AMD EPYC" ran a 5-token verify of the default target at 1.05-1.1x and at 1.6-2.0x a one-token step
+# (BENCHMARKS.md, round 44): a CPU report names the family, model and these flags so that runs on
+# different hosts are not compared as if they were one machine.
+SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16")
+
+
+def cpu_identity(cpuinfo: str) -> dict:
+    """Vendor, family, model, stepping and the SIMD_FLAGS present, from /proc/cpuinfo's first CPU."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            break  # the first processor's block is enough: a VM's vCPUs are alike
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
+    flags = set(fields.get("flags", "").split())
+    return {"vendor": fields.get("vendor_id"), "family": fields.get("cpu family"), "model": fields.get("model"),
+            "stepping": fields.get("stepping"), "simd": [flag for flag in SIMD_FLAGS if flag in flags]}
+
+
+def _cpu_identity() -> dict | None:
+    try:
+        return cpu_identity(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        return None
+
+
 def _memory_gib() -> float | None:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -44,7 +71,7 @@ def machine() -> dict:
     import transformers
 
     out = {
-        "cpu": _cpu_model(), "cores": os.cpu_count(), "memory_gib": _memory_gib(),
+        "cpu": _cpu_model(), "cpu_identity": _cpu_identity(), "cores": os.cpu_count(), "memory_gib": _memory_gib(),
         "kernel": platform.release(), "python": platform.python_version(), "torch": torch.__version__,
         "transformers": transformers.__version__,
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,

@@ -1,4 +1,4 @@
-# Sourced by pipeline2.sh, pipeline3.sh and pipeline4.sh (from the repository root, with W and GGUF set):
+# Sourced by pipeline2.sh and the later leases' pipelines (from the repository root, with W and GGUF set):
 # the environment, the stage marker, GPU-sized generation batches (GB rows, GT tokens), the target
 # exported from its GGUF to $W/target, and the stages the pipelines share; leaves the shell in $W.
 export PYTHONPATH=/tmp/site:$W/code PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
