@@ -11,6 +11,7 @@ TRAIN_S=${TRAIN_S:-780}
 DEV=${DEV:-cuda}
 DRAFT=${DRAFT:-h256-l3-i768-kv2}
 INIT=${INIT:-$W/init}
+RUN=${RUN:-run5}
 GEN_ARGS=${GEN_ARGS:---first-chunk 300 --chunks 400 --prompts-per-chunk 4096 --passage-fraction 0.6 --summary-passages 3}
 TRAIN_ARGS=${TRAIN_ARGS:---lr 7e-4 --warmup-steps 50 --batch-tokens 32768 --max-len 1280 --eval-every 300 --save-every 500 --log-every 20}
 SERVED="--head-vocab 4096 --copy-below 0.5"  # the services' head and copy rule
@@ -19,13 +20,13 @@ make_eval || exit 1
 generate_in_background $GEN_ARGS
 stage waiting for the draft to continue from
 while [ ! -f $INIT/model.safetensors ]; do sleep 5; done
-stage evaluate the shipped draft
+stage evaluate the draft to continue from
 [ -f $W/eval-init.json ] || python3 -m specdec.distill evaluate --draft $INIT --eval $W/eval.npz $SERVED --json-out $W/eval-init.json --device $DEV > /dev/null || exit 1
 stage train
-[ -f $W/train.done ] || { python3 -m specdec.distill train --target $W/target --data $W/data --reload-data --out $W/run5 --draft $DRAFT --init-from $INIT --eval $W/eval.npz --max-steps 0 --time-budget $TRAIN_S --device $DEV $TRAIN_ARGS && touch $W/train.done; } || exit 1
+[ -f $W/train.done ] || { python3 -m specdec.distill train --target $W/target --data $W/data --reload-data --out $W/$RUN --draft $DRAFT --init-from $INIT --eval $W/eval.npz --max-steps 0 --time-budget $TRAIN_S --device $DEV $TRAIN_ARGS && touch $W/train.done; } || exit 1
 stage evaluate
-cp $INIT/head_vocab.json $W/run5/$DRAFT/head_vocab.json || exit 1
-[ -f $W/eval-$DRAFT.json ] || python3 -m specdec.distill evaluate --draft $W/run5/$DRAFT --eval $W/eval.npz $SERVED --json-out $W/eval-$DRAFT.json --device $DEV > /dev/null || exit 1
+cp $INIT/head_vocab.json $W/$RUN/$DRAFT/head_vocab.json || exit 1
+[ -f $W/eval-$DRAFT.json ] || python3 -m specdec.distill evaluate --draft $W/$RUN/$DRAFT --eval $W/eval.npz $SERVED --json-out $W/eval-$DRAFT.json --device $DEV > /dev/null || exit 1
 stage done training
 touch $W/TRAINED
 stage waiting for the generator
