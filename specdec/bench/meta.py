@@ -30,7 +30,7 @@ def _cpu_model() -> str:
 
 
 # The vector extensions that decide a CPU's matrix-product speed. Two hosts that both call themselves
-# "AMD EPYC" ran a 5-token verify of the default target at 1.05-1.1x and at 1.6-2.0x a one-token step
+# "AMD EPYC" ran a 5-token verify of the default target at about 1.07x and at 1.74-2.02x a one-token step
 # (BENCHMARKS.md, round 44): a CPU report names the family, model and these flags so that runs on
 # different hosts are not compared as if they were one machine.
 SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16")
