@@ -289,7 +289,7 @@ class DraftEngine:
         if state is None:
             return False
         state.between_turns = True  # no longer counted in sessions_in_turn
-        release = getattr(self.proposer, "end_turn", None)  # proposers that hold a KV slot
+        release = getattr(self.proposer, "end_turn", None)  # optional (proposers/base.py): those holding a KV slot
         if release is not None:
             release(state.proposer_state)
         return True

@@ -55,3 +55,5 @@ class Proposer(Protocol):
     #     (NextTokens.own must be the token propose(..., 1) drafts: it becomes the main guess)
     #   fork(state, length) -> a new state holding what `state` caches of the first `length` tokens
     #   adopt(state, branch): `state` takes over the branch's cache (the branch state is used up)
+    # Optional, for proposers that hold a KV slot (DraftEngine.end_turn calls it when present):
+    #   end_turn(state): the session's turn ended; its slot may go to another session before it drafts again
