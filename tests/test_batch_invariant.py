@@ -29,6 +29,10 @@ def cpu_kernels():
         kernels.append(choose_linear(torch.device("cpu"), torch.float32, "hybrid"))
     except ValueError:  # no usable oneDNN in this torch build
         pass
+    try:
+        kernels.append(choose_linear(torch.device("cpu"), torch.float32, "loop"))
+    except ValueError:  # no numba
+        pass
     return kernels
 
 

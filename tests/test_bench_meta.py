@@ -1,6 +1,6 @@
 """The benchmark report's record of the working tree (specdec/bench/meta.py)."""
 
-from specdec.bench.meta import cpu_identity, tree_changes
+from specdec.bench.meta import cpu_identity, specdec_env, tree_changes
 
 
 def test_deleted_reports_are_counted_and_changed_code_is_listed():
@@ -24,3 +24,8 @@ def test_the_cpu_is_named_by_family_model_and_vector_extensions():
     assert cpu_identity(cpuinfo) == {"vendor": "AuthenticAMD", "family": "25", "model": "1", "stepping": "1",
                                      "simd": ["avx2", "fma"]}  # the first CPU's block only
     assert cpu_identity("")["simd"] == []
+
+
+def test_the_specdec_switches_of_the_run_are_recorded():
+    environ = {"SPECDEC_LINEAR_KERNEL": "hybrid", "PATH": "/usr/bin", "SPECDEC_CPU_DECODE": "eager"}
+    assert specdec_env(environ) == {"SPECDEC_CPU_DECODE": "eager", "SPECDEC_LINEAR_KERNEL": "hybrid"}

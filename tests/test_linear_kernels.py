@@ -1,24 +1,25 @@
-"""The CPU linear kernels compute the same products; "auto" picks the hybrid at one thread."""
+"""The CPU linear kernels compute the same products; "auto" picks the compiled loop at one thread."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from specdec.models.linear_kernels import DenseLinear, HybridLinear, OneDnnLinear, choose_linear
+from specdec.models import cpu_linear
+from specdec.models.linear_kernels import DenseLinear, HybridLinear, LoopLinear, OneDnnLinear, choose_linear
 
-onednn = pytest.mark.skipif(not isinstance(choose_linear(torch.device("cpu"), torch.float32, "auto"),
-                                           (OneDnnLinear, HybridLinear)), reason="no oneDNN in this torch build")
+onednn = pytest.mark.skipif(not isinstance(choose_linear(torch.device("cpu"), torch.float32, "onednn"),
+                                           OneDnnLinear), reason="no oneDNN in this torch build")
 
 
 @onednn
-@pytest.mark.parametrize("rows", [1, 2, 3, 5])  # 2: padded to 4 rows on oneDNN
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 12, 13, 40])  # 2: padded to 4 rows on oneDNN; 13+: the loop's oneDNN
 def test_kernels_agree_for_one_and_several_rows(rows):
     g = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(48, 32, generator=g), torch.randn(48, generator=g)
     x, residual = torch.randn(rows, 32, generator=g), torch.randn(rows, 48, generator=g)
     expected = x @ weight.T
-    for kernel in (DenseLinear(), OneDnnLinear(), HybridLinear()):
+    for kernel in (DenseLinear(), OneDnnLinear(), HybridLinear(), LoopLinear(True), LoopLinear(False)):
         w = kernel.prepare(weight)
         assert kernel(x, w).shape == (rows, 48) and kernel.add(residual, x, w).shape == (rows, 48)
         torch.testing.assert_close(kernel(x, w), expected, rtol=1e-5, atol=1e-5)
@@ -27,11 +28,16 @@ def test_kernels_agree_for_one_and_several_rows(rows):
 
 
 @onednn
-def test_auto_is_hybrid_at_one_thread_and_onednn_above():
+def test_auto_is_the_loop_at_one_thread_and_onednn_above(monkeypatch):
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
+        assert choose_linear(torch.device("cpu"), torch.float32).name == "loop"
+        assert choose_linear(torch.device("cpu"), torch.bfloat16).name != "loop"  # the loop is float32 only
+        monkeypatch.setenv("SPECDEC_LINEAR_KERNEL", "hybrid")  # the benchmarks' A/B switch
         assert choose_linear(torch.device("cpu"), torch.float32).name == "hybrid"
+        assert choose_linear(torch.device("cpu"), torch.float32, "dense").name == "dense"  # named: kept
+        monkeypatch.delenv("SPECDEC_LINEAR_KERNEL")
         torch.set_num_threads(2)
         assert choose_linear(torch.device("cpu"), torch.float32).name == "onednn"
         assert choose_linear(torch.device("cpu"), torch.float16).name == "dense"  # no oneDNN fp16 path here
@@ -39,3 +45,24 @@ def test_auto_is_hybrid_at_one_thread_and_onednn_above():
         torch.set_num_threads(threads)
     with pytest.raises(ValueError):
         choose_linear(torch.device("cpu"), torch.float32, "fastest")
+
+
+def test_the_loop_refuses_what_it_cannot_compute():
+    with pytest.raises(ValueError, match="float32 on a CPU"):
+        choose_linear(torch.device("cpu"), torch.bfloat16, "loop")
+
+
+@pytest.mark.parametrize("width", [32, 576, 1536])
+def test_a_loop_row_has_the_same_bits_whatever_rows_share_its_call(width):
+    """cpu_linear's claim: rows in pairs and the odd last row alone reduce in one order, so a verify
+    row's product equals its one-row (decode) product bit for bit, for every count up to MAX_ROWS.
+    Widths of the default target's products (576, 1536) and of a tiny model (32)."""
+    g = torch.Generator().manual_seed(1)
+    weight, x = torch.randn(64, width, generator=g), torch.randn(cpu_linear.MAX_ROWS, width, generator=g)
+    residual = torch.randn(cpu_linear.MAX_ROWS, 64, generator=g)
+    alone = torch.cat([cpu_linear.product(x[i:i + 1], weight) for i in range(len(x))])
+    alone_add = torch.cat([cpu_linear.product_add(residual[i:i + 1], x[i:i + 1], weight) for i in range(len(x))])
+    for rows in range(1, cpu_linear.MAX_ROWS + 1):
+        assert torch.equal(cpu_linear.product(x[:rows], weight), alone[:rows]), rows
+        assert torch.equal(cpu_linear.product_add(residual[:rows], x[:rows], weight), alone_add[:rows]), rows
+    torch.testing.assert_close(alone, x @ weight.T, rtol=1e-5, atol=1e-4)

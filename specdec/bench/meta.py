@@ -75,11 +75,18 @@ def machine() -> dict:
         "kernel": platform.release(), "python": platform.python_version(), "torch": torch.__version__,
         "transformers": transformers.__version__,
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "specdec_env": specdec_env(os.environ),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     if torch.cuda.is_available():
         out["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     return out
+
+
+def specdec_env(environ) -> dict:
+    """The SPECDEC_* variables set for the run: switches such as SPECDEC_LINEAR_KERNEL change what the
+    services compute with, and the services inherit them from the benchmark."""
+    return {key: value for key, value in sorted(environ.items()) if key.startswith("SPECDEC_")}
 
 
 def commit() -> dict:

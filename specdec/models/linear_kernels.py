@@ -15,13 +15,22 @@ against 51 ms with oneDNN, five rows 92 ms with MKL against 48 ms with oneDNN (2
 memory) and sends one-row products to MKL, the rest to oneDNN: plain decoding and drafting, which are
 one-row steps, would otherwise run 25% slower than they can, and flatter every speedup measured
 against them. Reproduce: scripts/bench_model_step.py.
+
+Since round 42 the machine is another host (AVX2, no AVX-512), where oneDNN's few-row products are
+slow: a 5-token verify cost 1.7-2.0x a one-token step. There "loop" (cpu_linear.py, a compiled loop
+that reads each weight once for all of up to 12 rows; oneDNN above that) is "auto" at one thread
+in float32: the same one-row step as MKL and a 5-token verify about 10% faster than hybrid's, and
+a row's bits do not depend on how many rows share the product (round 45).
 """
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
+
+from specdec.models import cpu_linear
 
 
 class DenseLinear:
@@ -120,15 +129,59 @@ class HybridLinear:
         return self._onednn.add(residual, x, w.packed)
 
 
-Linear = DenseLinear | DenseNTLinear | OneDnnLinear | HybridLinear
-KERNELS = ("auto", "dense", "dense-nt", "onednn", "hybrid")
+class _LoopLayouts(NamedTuple):
+    plain: torch.Tensor  # [out, in], as loaded
+    packed: torch.Tensor | None  # oneDNN's blocked layout, for wide products; None without oneDNN
+
+
+class LoopLinear:
+    """Up to cpu_linear.MAX_ROWS rows: the compiled loop on the weight as loaded; more (prefills, wide
+    batched steps): oneDNN on the prepacked weight, or F.linear where oneDNN is missing. float32 on
+    a CPU at one thread (cpu_linear.py); like hybrid, it keeps two copies of each weight."""
+
+    name = "loop"
+
+    def __init__(self, with_onednn: bool) -> None:
+        self._onednn = OneDnnLinear() if with_onednn else None
+
+    def prepare(self, weight: torch.Tensor) -> _LoopLayouts:
+        weight = weight.contiguous()
+        return _LoopLayouts(weight, self._onednn.prepare(weight) if self._onednn else None)
+
+    def __call__(self, x: torch.Tensor, w: _LoopLayouts, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.shape[0] <= cpu_linear.MAX_ROWS:
+            out = cpu_linear.product(x, w.plain)
+            return out if bias is None else out.add_(bias)
+        if w.packed is not None:
+            return self._onednn(x, w.packed, bias)
+        return torch.nn.functional.linear(x, w.plain, bias)
+
+    def add(self, residual: torch.Tensor, x: torch.Tensor, w: _LoopLayouts) -> torch.Tensor:
+        if x.shape[0] <= cpu_linear.MAX_ROWS:
+            return cpu_linear.product_add(residual, x, w.plain)
+        if w.packed is not None:
+            return self._onednn.add(residual, x, w.packed)
+        return torch.addmm(residual, x, w.plain.t())
+
+
+Linear = DenseLinear | DenseNTLinear | OneDnnLinear | HybridLinear | LoopLinear
+KERNELS = ("auto", "dense", "dense-nt", "onednn", "hybrid", "loop")
 
 
 def choose_linear(device: torch.device, dtype: torch.dtype, prefer: str = "auto") -> Linear:
     """The kernel for this device and dtype ("auto"), or the one named by `prefer` (see KERNELS).
-    "auto" on a CPU with oneDNN: hybrid when torch runs one intra-op thread, else oneDNN."""
+    "auto" on a CPU: in float32 at one intra-op thread the compiled loop (cpu_linear.py) when numba
+    is there, else hybrid; at more threads oneDNN. SPECDEC_LINEAR_KERNEL names what "auto" means (an
+    A/B switch for benchmarks, which start the services as processes of their own)."""
+    if prefer == "auto":
+        prefer = os.environ.get("SPECDEC_LINEAR_KERNEL", "auto")
     if prefer not in KERNELS:
         raise ValueError(f"linear kernel {prefer!r} is unknown; choose one of {KERNELS}")
+    one_thread_fp32_cpu = device.type == "cpu" and dtype == torch.float32 and torch.get_num_threads() == 1
+    if prefer == "loop" or (prefer == "auto" and one_thread_fp32_cpu and cpu_linear.available()):
+        if device.type != "cpu" or dtype != torch.float32 or not cpu_linear.available():
+            raise ValueError(f"the compiled loop linear needs float32 on a CPU with numba, not {device}, {dtype}")
+        return LoopLinear(with_onednn=_onednn_works(dtype))
     if prefer == "dense":
         return DenseLinear()
     if prefer == "dense-nt":

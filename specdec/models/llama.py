@@ -50,7 +50,7 @@ class LlamaModel:
 
     path: a Hugging Face directory (config.json + safetensors). max_context: tokens per slot (default:
     the model's limit capped at 2048). The pool is num_slots slots, or as many as kv_budget_bytes holds.
-    linear_kernel: "auto" | "dense" | "dense-nt" | "onednn" | "hybrid" (see linear_kernels.py; "auto" is
+    linear_kernel: "auto" | "dense" | "dense-nt" | "onednn" | "hybrid" | "loop" (linear_kernels.py; "auto" is
     right outside benchmarks).
     head_token_ids: a reduced output head (a draft's most frequent tokens): logits then cover only
     these ids, in this order; inputs still take the whole vocabulary.

@@ -1,0 +1,91 @@
+"""Products of a few activation rows by a weight on one CPU thread, as a compiled loop (numba).
+
+A decode step multiplies one row, a verify k+1 rows, by every weight of the model; on a CPU that is a
+stream of the weights from memory, and the best kernel reads each weight value once for all the rows.
+On the AMD EPYC host this workplace's CPU has been since round 42 (AVX2), one thread, SmolLM2-135M's
+30 layers of products, float32 (docs/BENCHMARKS.md, round 45):
+
+    rows              1      2      5      8     12     16
+    this loop        23     25     36     47     63    112 ms
+    oneDNN packed    33     37     47     54     68     92
+    MKL (F.linear)   30     53     64     66     77     82
+
+and the 49,152-row lm_head: 8 ms for one row and 9 ms for five (MKL: 12 and 30). So up to MAX_ROWS
+rows this loop runs, and above that MKL's blocked GEMM, which reuses each weight across many rows.
+
+Each output is one sum over the input, reassociated for vectorisation (cpu_attention.FASTMATH), in
+the same order whichever rows the call holds: rows go in pairs that share each weight load, and the
+last odd row alone, by a loop that compiles to the same reduction. tests/test_linear_kernels.py checks
+that a row's bits do not depend on how many rows the call holds, on the machine that runs the tests.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+from specdec.models import cpu_attention
+
+# Above this many rows a blocked GEMM reuses each weight across rows better than this loop does.
+MAX_ROWS = 12
+
+
+def _rows_loop(x, w, out, accumulate):  # pragma: no cover - compiled
+    # out[r, o] (+)= x[r] . w[o]; x [R, I] and w [O, I], rows contiguous.
+    rows, width = x.shape
+    paired = rows - rows % 2
+    for o in range(w.shape[0]):
+        for r in range(0, paired, 2):
+            a0 = np.float32(0.0)
+            a1 = np.float32(0.0)
+            for i in range(width):
+                weight = w[o, i]
+                a0 += x[r, i] * weight
+                a1 += x[r + 1, i] * weight
+            if accumulate:
+                out[r, o] += a0
+                out[r + 1, o] += a1
+            else:
+                out[r, o] = a0
+                out[r + 1, o] = a1
+        if paired < rows:
+            acc = np.float32(0.0)
+            for i in range(width):
+                acc += x[paired, i] * w[o, i]
+            if accumulate:
+                out[paired, o] += acc
+            else:
+                out[paired, o] = acc
+
+
+@functools.cache
+def _kernel():
+    """_rows_loop compiled (or loaded from numba's disk cache), or None without numba."""
+    if cpu_attention._kernel() is None:  # numba missing or broken; also sets its cache directory
+        return None
+    import numba
+
+    loop = numba.njit(nogil=True, cache=True, fastmath=cpu_attention.FASTMATH, boundscheck=False)(_rows_loop)
+    ones = np.ones((1, 4), dtype=np.float32)
+    loop(ones, ones, np.empty((1, 1), np.float32), False)  # compile now, at model load
+    return loop
+
+
+def available() -> bool:
+    return _kernel() is not None
+
+
+def product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T through the loop; x [R, I] float32, w [O, I] contiguous."""
+    out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
+    _kernel()(x.contiguous().numpy(), w.numpy(), out.numpy(), False)
+    return out
+
+
+def product_add(residual: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """residual + x @ w.T, the residual added in the loop."""
+    out = residual.clone(memory_format=torch.contiguous_format)
+    _kernel()(x.contiguous().numpy(), w.numpy(), out.numpy(), True)
+    return out
