@@ -9,6 +9,7 @@ import torch
 
 from models_helpers import random_tokens, tiny_dir
 from specdec.errors import InvalidArgument
+from specdec.models import cpu_linear
 from specdec.models.batch_invariant import FixedRowsLinear, rows_for
 from specdec.models.linear_kernels import DenseLinear, choose_linear
 from specdec.models.llama import LlamaModel
@@ -123,6 +124,30 @@ def test_a_row_computes_what_it_computes_alone(root, linear_kernel):
     model = probe_model(path, True, linear_kernel)
     assert model.info.batch_invariant and isinstance(model.linear, FixedRowsLinear)
     assert batch_differences(model) == []
+
+
+@pytest.mark.skipif("loop" not in [k.name for k in cpu_kernels()], reason="numba missing: no loop kernel")
+def test_with_the_loop_kernel_the_mode_pads_nothing(root):
+    """The compiled loop's rows are invariant by themselves up to cpu_linear.MAX_ROWS: the mode then
+    cuts wider products (the 72 rows of eight verifies of 9 in batch_differences) into unpadded chunks,
+    and a decode step multiplies one row, not eight."""
+    model = probe_model(tiny_dir(root, "llama3"), True, "loop")
+    assert model.pad_rows == 0 and not model.linear.pad and model.linear.rows == cpu_linear.MAX_ROWS
+    assert batch_differences(model) == []
+    seen, inner = [], model.linear.inner
+
+    class Counting:  # the loop kernel, recording each product's rows
+        def __call__(self, x, w, bias=None):
+            seen.append(x.shape[0])
+            return inner(x, w, bias)
+
+        def add(self, residual, x, w):
+            seen.append(x.shape[0])
+            return inner.add(residual, x, w)
+
+    model.linear.inner = Counting()
+    step_logits(model, [0], [[7]])
+    assert seen and set(seen) == {1}
 
 
 @pytest.mark.parametrize("rows", [1, 3, 32])

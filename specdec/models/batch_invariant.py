@@ -19,7 +19,10 @@ compute, so 8 (--batch-invariant-rows sets another).
 On a CPU in float32 the native backend's kernels are not row-invariant either: MKL's product of 4 or
 more rows rounds differently from its one-row product, and the one-thread hybrid kernel sends one row
 to MKL and more to oneDNN (tests/test_batch_invariant.py). Exact greedy equality there rests on near-
-ties being rare; with batch_invariant it holds by construction.
+ties being rare; with batch_invariant it holds by construction. The compiled loop kernel (cpu_linear.py,
+"auto" at one thread) is row-invariant by itself up to cpu_linear.MAX_ROWS rows, so with it the mode
+splits wider products into chunks of up to that many rows and pads nothing (pad=False): a decode step
+then costs what it costs outside the mode, where padding it to 8 rows cost about 2x.
 """
 
 from __future__ import annotations
@@ -42,11 +45,11 @@ def rows_for(device: torch.device) -> int:
 class FixedRowsLinear:
     """A linear kernel (linear_kernels.py) whose every product has exactly `rows` activation rows."""
 
-    def __init__(self, inner, rows: int):
+    def __init__(self, inner, rows: int, pad: bool = True):
         if rows < 1:
             raise ValueError(f"rows per product must be >= 1, got {rows}")
-        self.inner, self.rows = inner, rows
-        self.name = f"{inner.name}, {rows} rows a product"
+        self.inner, self.rows, self.pad = inner, rows, pad
+        self.name = f"{inner.name}, {rows} rows a product" if pad else f"{inner.name}, up to {rows} rows a product"
 
     def prepare(self, weight: torch.Tensor):
         return self.inner.prepare(weight)
@@ -71,7 +74,10 @@ class FixedRowsLinear:
                         for i in range(0, x.shape[0], self.rows)])[:n]
 
     def _padded(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
-        """x with zero rows below, to `rows` (default: the next whole chunk); one kernel, none if already there."""
+        """x with zero rows below, to `rows` (default: the next whole chunk); one kernel, none if already there.
+        Unpadded (pad=False, an inner kernel whose rows are invariant up to `rows`): x as it is."""
+        if not self.pad:
+            return x
         pad = (-x.shape[0] % self.rows) if rows is None else rows - x.shape[0]
         return x if pad == 0 else F.pad(x, (0, 0, 0, pad))
 

@@ -3,15 +3,18 @@
 A decode step multiplies one row, a verify k+1 rows, by every weight of the model; on a CPU that is a
 stream of the weights from memory, and the best kernel reads each weight value once for all the rows.
 On the AMD EPYC host this workplace's CPU has been since round 42 (AVX2), one thread, SmolLM2-135M's
-30 layers of products, float32 (docs/BENCHMARKS.md, round 45):
+30 layers of products, float32, in ms (docs/BENCHMARKS.md, round 45; repeated runs vary by ~15%):
 
-    rows              1      2      5      8     12     16
-    this loop        23     25     36     47     63    112 ms
-    oneDNN packed    33     37     47     54     68     92
-    MKL (F.linear)   30     53     64     66     77     82
+    rows              1      5      8     10     12     16     80
+    this loop      23-29  36-48  47-63    76   63-84    112    540
+    oneDNN packed  33-44  47-57  54-68    77   68-87  86-92    267-293
+    MKL (F.linear) 30-40  64-72     66           77     82    314
 
-and the 49,152-row lm_head: 8 ms for one row and 9 ms for five (MKL: 12 and 30). So up to MAX_ROWS
-rows this loop runs, and above that MKL's blocked GEMM, which reuses each weight across many rows.
+and the 49,152-row lm_head: 7-9 ms for one row and 9-13 for five (MKL: 12 and 30). The loop and
+oneDNN cross between 9 and 12 rows. So up to MAX_ROWS rows this loop runs, and above that oneDNN on
+its packed copy of the weight (linear_kernels.LoopLinear), which reuses each weight across many rows.
+In a whole forward (scripts/bench_model_step.py) a one-row step costs what MKL's does, and a 5-token
+verify about 1.55x a step against oneDNN's 1.85x.
 
 Each output is one sum over the input, reassociated for vectorisation (cpu_attention.FASTMATH), in
 the same order whichever rows the call holds: rows go in pairs that share each weight load, and the

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from specdec.errors import InvalidArgument
-from specdec.models import cpu_attention, cpu_decode
+from specdec.models import cpu_attention, cpu_decode, cpu_linear
 from specdec.models.base import ModelInfo
 from specdec.models.batch_invariant import FixedRowsLinear, rows_for
 from specdec.models.kv_cache import SlotKVCache
@@ -67,7 +67,8 @@ class LlamaModel:
     batch_invariant: every row of a forward computes exactly what it computes alone, whatever else
     the step holds (batch_invariant.py): every product on chunks of a fixed row count, and on CUDA one
     attention kernel for every step. Not with compile_layers (inductor picks kernels per shape); the
-    fused CPU loop is not used. batch_invariant_rows: the rows of a product chunk (None: rows_for(device)).
+    fused CPU loop is not used. batch_invariant_rows: the rows of a product chunk (None: rows_for(device),
+    or with the "loop" kernel unpadded chunks of up to cpu_linear.MAX_ROWS).
     Any fixed count is invariant; it trades a narrow step's padding against a wide step's weight reads.
     """
 
@@ -110,7 +111,10 @@ class LlamaModel:
         # that only the attention's output needs padding (one kernel a layer, not six; a graphed decode
         # step is mostly launches).
         self.pad_rows = (batch_invariant_rows or rows_for(self.device)) if batch_invariant else 0
-        if batch_invariant:
+        if batch_invariant and batch_invariant_rows is None and self.linear.name == "loop":
+            # Its rows are invariant by themselves up to MAX_ROWS: chunks of up to that many, no padding.
+            self.linear, self.pad_rows = FixedRowsLinear(self.linear, cpu_linear.MAX_ROWS, pad=False), 0
+        elif batch_invariant:
             self.linear = FixedRowsLinear(self.linear, self.pad_rows)
         self.head_token_ids = head_token_ids
         self.weights = load_weights(path, cfg, self.dtype, self.device, self.linear, head_token_ids)
