@@ -19,7 +19,8 @@ def test_kernels_agree_for_one_and_several_rows(rows):
     weight, bias = torch.randn(48, 32, generator=g), torch.randn(48, generator=g)
     x, residual = torch.randn(rows, 32, generator=g), torch.randn(rows, 48, generator=g)
     expected = x @ weight.T
-    for kernel in (DenseLinear(), OneDnnLinear(), HybridLinear(), LoopLinear(True), LoopLinear(False)):
+    kernels = [DenseLinear(), OneDnnLinear(), HybridLinear(), LoopLinear(True), LoopLinear(False)]
+    for kernel in kernels + ([LoopLinear(True, threads=2)] if cpu_linear.available(2) else []):
         w = kernel.prepare(weight)
         assert kernel(x, w).shape == (rows, 48) and kernel.add(residual, x, w).shape == (rows, 48)
         torch.testing.assert_close(kernel(x, w), expected, rtol=1e-5, atol=1e-5)
@@ -28,7 +29,7 @@ def test_kernels_agree_for_one_and_several_rows(rows):
 
 
 @onednn
-def test_auto_is_the_loop_at_one_thread_and_onednn_above(monkeypatch):
+def test_auto_is_the_loop_at_one_and_two_threads_and_onednn_above(monkeypatch):
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -39,8 +40,12 @@ def test_auto_is_the_loop_at_one_thread_and_onednn_above(monkeypatch):
         assert choose_linear(torch.device("cpu"), torch.float32, "dense").name == "dense"  # named: kept
         monkeypatch.delenv("SPECDEC_LINEAR_KERNEL")
         torch.set_num_threads(2)
-        assert choose_linear(torch.device("cpu"), torch.float32).name == "onednn"
+        at_two = choose_linear(torch.device("cpu"), torch.float32)
+        # the loop's parallel build, where numba's threading layer is safe for it (OpenMP or TBB)
+        assert (at_two.name, getattr(at_two, "threads", None)) == (("loop", 2) if cpu_linear.available(2) else ("onednn", None))
         assert choose_linear(torch.device("cpu"), torch.float16).name == "dense"  # no oneDNN fp16 path here
+        torch.set_num_threads(3)
+        assert choose_linear(torch.device("cpu"), torch.float32).name == "onednn"
     finally:
         torch.set_num_threads(threads)
     with pytest.raises(ValueError):
@@ -50,19 +55,32 @@ def test_auto_is_the_loop_at_one_thread_and_onednn_above(monkeypatch):
 def test_the_loop_refuses_what_it_cannot_compute():
     with pytest.raises(ValueError, match="float32 on a CPU"):
         choose_linear(torch.device("cpu"), torch.bfloat16, "loop")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        with pytest.raises(ValueError, match="1 or 2 intra-op threads"):
+            choose_linear(torch.device("cpu"), torch.float32, "loop")
+    finally:
+        torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("width", [32, 576, 1536])
-def test_a_loop_row_has_the_same_bits_whatever_rows_share_its_call(width):
+def test_a_loop_row_has_the_same_bits_whatever_rows_share_its_call(width, threads):
     """cpu_linear's claim: rows in pairs and the odd last row alone reduce in one order, so a verify
-    row's product equals its one-row (decode) product bit for bit, for every count up to MAX_ROWS.
-    Widths of the default target's products (576, 1536) and of a tiny model (32)."""
+    row's product equals its one-row (decode) product bit for bit, for every count up to MAX_ROWS,
+    serial or split over two threads (which split the weight's rows, not a sum), and both builds
+    give the same bits. Widths of the default target's products (576, 1536) and of a tiny model (32)."""
+    if not cpu_linear.available(threads):
+        pytest.skip(f"no loop build for {threads} threads here")
     g = torch.Generator().manual_seed(1)
     weight, x = torch.randn(64, width, generator=g), torch.randn(cpu_linear.MAX_ROWS, width, generator=g)
     residual = torch.randn(cpu_linear.MAX_ROWS, 64, generator=g)
-    alone = torch.cat([cpu_linear.product(x[i:i + 1], weight) for i in range(len(x))])
-    alone_add = torch.cat([cpu_linear.product_add(residual[i:i + 1], x[i:i + 1], weight) for i in range(len(x))])
+    alone = torch.cat([cpu_linear.product(x[i:i + 1], weight, threads) for i in range(len(x))])
+    alone_add = torch.cat([cpu_linear.product_add(residual[i:i + 1], x[i:i + 1], weight, threads)
+                           for i in range(len(x))])
     for rows in range(1, cpu_linear.MAX_ROWS + 1):
-        assert torch.equal(cpu_linear.product(x[:rows], weight), alone[:rows]), rows
-        assert torch.equal(cpu_linear.product_add(residual[:rows], x[:rows], weight), alone_add[:rows]), rows
+        assert torch.equal(cpu_linear.product(x[:rows], weight, threads), alone[:rows]), rows
+        assert torch.equal(cpu_linear.product_add(residual[:rows], x[:rows], weight, threads), alone_add[:rows]), rows
+    assert torch.equal(alone, torch.cat([cpu_linear.product(x[i:i + 1], weight) for i in range(len(x))]))
     torch.testing.assert_close(alone, x @ weight.T, rtol=1e-5, atol=1e-4)

@@ -1,4 +1,4 @@
-"""Products of a few activation rows by a weight on one CPU thread, as a compiled loop (numba).
+"""Products of a few activation rows by a weight on one or two CPU threads, as a compiled loop (numba).
 
 A decode step multiplies one row, a verify k+1 rows, by every weight of the model; on a CPU that is a
 stream of the weights from memory, and the best kernel reads each weight value once for all the rows.
@@ -14,7 +14,9 @@ and the 49,152-row lm_head: 7-9 ms for one row and 9-13 for five (MKL: 12 and 30
 oneDNN cross between 9 and 12 rows. So up to MAX_ROWS rows this loop runs, and above that oneDNN on
 its packed copy of the weight (linear_kernels.LoopLinear), which reuses each weight across many rows.
 In a whole forward (scripts/bench_model_step.py) a one-row step costs what MKL's does, and a 5-token
-verify about 1.55x a step against oneDNN's 1.85x.
+verify about 1.55x a step against oneDNN's 1.85x. At two intra-op threads a parallel build splits the
+weight's rows over the threads (each sum still on one thread, so the bits are the serial build's):
+a whole step 40 ms against oneDNN's 50 at two threads, a 5-token verify 66 against 74 (round 45).
 
 Each output is one sum over the input, reassociated for vectorisation (cpu_attention.FASTMATH), in
 the same order whichever rows the call holds: rows go in pairs that share each weight load, and the
@@ -25,11 +27,20 @@ that a row's bits do not depend on how many rows the call holds, on the machine 
 from __future__ import annotations
 
 import functools
+import logging
+import types
 
 import numpy as np
 import torch
 
 from specdec.models import cpu_attention
+
+try:
+    from numba import prange
+except ImportError:  # no numba: the loop is never compiled, and prange only has to exist
+    prange = range
+
+log = logging.getLogger(__name__)
 
 # Above this many rows a blocked GEMM reuses each weight across rows better than this loop does.
 MAX_ROWS = 12
@@ -39,7 +50,7 @@ def _rows_loop(x, w, out, accumulate):  # pragma: no cover - compiled
     # out[r, o] (+)= x[r] . w[o]; x [R, I] and w [O, I], rows contiguous.
     rows, width = x.shape
     paired = rows - rows % 2
-    for o in range(w.shape[0]):
+    for o in prange(w.shape[0]):  # the parallel build splits the weight's rows over the threads
         for r in range(0, paired, 2):
             a0 = np.float32(0.0)
             a1 = np.float32(0.0)
@@ -64,31 +75,54 @@ def _rows_loop(x, w, out, accumulate):  # pragma: no cover - compiled
 
 
 @functools.cache
-def _kernel():
-    """_rows_loop compiled (or loaded from numba's disk cache), or None without numba."""
+def _kernel(parallel: bool = False):
+    """_rows_loop compiled (or loaded from numba's disk cache), or None without numba. parallel: the
+    weight's rows split over numba's threads; None unless numba's threading layer is OpenMP or TBB
+    (its fallback, "workqueue", aborts when two threads launch parallel loops at once, and a service
+    runs models on more than one thread)."""
     if cpu_attention._kernel() is None:  # numba missing or broken; also sets its cache directory
         return None
     import numba
 
-    loop = numba.njit(nogil=True, cache=True, fastmath=cpu_attention.FASTMATH, boundscheck=False)(_rows_loop)
+    source = _rows_loop
+    if parallel:  # a name of its own: numba's disk cache files a function's builds by its name, not its flags
+        source = types.FunctionType(_rows_loop.__code__, _rows_loop.__globals__, "_rows_loop_parallel")
+        source.__qualname__ = "_rows_loop_parallel"
+    loop = numba.njit(nogil=True, cache=True, fastmath=cpu_attention.FASTMATH, boundscheck=False,
+                      parallel=parallel)(source)
     ones = np.ones((1, 4), dtype=np.float32)
-    loop(ones, ones, np.empty((1, 1), np.float32), False)  # compile now, at model load
+    try:
+        loop(ones, ones, np.empty((1, 1), np.float32), False)  # compile now, at model load
+    except Exception as exc:  # noqa: BLE001 - a broken numba install must not stop a model loading
+        log.warning("the compiled linear loop did not compile (%r)", exc)
+        return None
+    if parallel and numba.threading_layer() not in ("omp", "tbb"):
+        return None
     return loop
 
 
-def available() -> bool:
-    return _kernel() is not None
+def available(threads: int = 1) -> bool:
+    """Whether the loop can run products here with this many threads (1, or 2 with a parallel build)."""
+    return threads in (1, 2) and _kernel(threads > 1) is not None
 
 
-def product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _run(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, accumulate: bool, threads: int) -> None:
+    if threads > 1:
+        import numba
+
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))  # per calling thread
+    _kernel(threads > 1)(x.contiguous().numpy(), w.numpy(), out.numpy(), accumulate)
+
+
+def product(x: torch.Tensor, w: torch.Tensor, threads: int = 1) -> torch.Tensor:
     """x @ w.T through the loop; x [R, I] float32, w [O, I] contiguous."""
     out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
-    _kernel()(x.contiguous().numpy(), w.numpy(), out.numpy(), False)
+    _run(x, w, out, False, threads)
     return out
 
 
-def product_add(residual: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def product_add(residual: torch.Tensor, x: torch.Tensor, w: torch.Tensor, threads: int = 1) -> torch.Tensor:
     """residual + x @ w.T, the residual added in the loop."""
     out = residual.clone(memory_format=torch.contiguous_format)
-    _kernel()(x.contiguous().numpy(), w.numpy(), out.numpy(), True)
+    _run(x, w, out, True, threads)
     return out

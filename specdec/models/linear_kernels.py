@@ -137,12 +137,14 @@ class _LoopLayouts(NamedTuple):
 class LoopLinear:
     """Up to cpu_linear.MAX_ROWS rows: the compiled loop on the weight as loaded; more (prefills, wide
     batched steps): oneDNN on the prepacked weight, or F.linear where oneDNN is missing. float32 on
-    a CPU at one thread (cpu_linear.py); like hybrid, it keeps two copies of each weight."""
+    a CPU at one or two threads (cpu_linear.py; at two, the loop's parallel build); like hybrid, it
+    keeps two copies of each weight."""
 
     name = "loop"
 
-    def __init__(self, with_onednn: bool) -> None:
+    def __init__(self, with_onednn: bool, threads: int = 1) -> None:
         self._onednn = OneDnnLinear() if with_onednn else None
+        self.threads = threads
 
     def prepare(self, weight: torch.Tensor) -> _LoopLayouts:
         weight = weight.contiguous()
@@ -150,7 +152,7 @@ class LoopLinear:
 
     def __call__(self, x: torch.Tensor, w: _LoopLayouts, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.shape[0] <= cpu_linear.MAX_ROWS:
-            out = cpu_linear.product(x, w.plain)
+            out = cpu_linear.product(x, w.plain, self.threads)
             return out if bias is None else out.add_(bias)
         if w.packed is not None:
             return self._onednn(x, w.packed, bias)
@@ -158,7 +160,7 @@ class LoopLinear:
 
     def add(self, residual: torch.Tensor, x: torch.Tensor, w: _LoopLayouts) -> torch.Tensor:
         if x.shape[0] <= cpu_linear.MAX_ROWS:
-            return cpu_linear.product_add(residual, x, w.plain)
+            return cpu_linear.product_add(residual, x, w.plain, self.threads)
         if w.packed is not None:
             return self._onednn.add(residual, x, w.packed)
         return torch.addmm(residual, x, w.plain.t())
@@ -170,18 +172,21 @@ KERNELS = ("auto", "dense", "dense-nt", "onednn", "hybrid", "loop")
 
 def choose_linear(device: torch.device, dtype: torch.dtype, prefer: str = "auto") -> Linear:
     """The kernel for this device and dtype ("auto"), or the one named by `prefer` (see KERNELS).
-    "auto" on a CPU: in float32 at one intra-op thread the compiled loop (cpu_linear.py) when numba
-    is there, else hybrid; at more threads oneDNN. SPECDEC_LINEAR_KERNEL names what "auto" means (an
-    A/B switch for benchmarks, which start the services as processes of their own)."""
+    "auto" on a CPU in float32 at one or two intra-op threads: the compiled loop (cpu_linear.py) when
+    numba can run it with that many, else hybrid at one thread and oneDNN at more. SPECDEC_LINEAR_KERNEL
+    names what "auto" means (an A/B switch for benchmarks, which start the services as processes of
+    their own)."""
     if prefer == "auto":
         prefer = os.environ.get("SPECDEC_LINEAR_KERNEL", "auto")
     if prefer not in KERNELS:
         raise ValueError(f"linear kernel {prefer!r} is unknown; choose one of {KERNELS}")
-    one_thread_fp32_cpu = device.type == "cpu" and dtype == torch.float32 and torch.get_num_threads() == 1
-    if prefer == "loop" or (prefer == "auto" and one_thread_fp32_cpu and cpu_linear.available()):
-        if device.type != "cpu" or dtype != torch.float32 or not cpu_linear.available():
-            raise ValueError(f"the compiled loop linear needs float32 on a CPU with numba, not {device}, {dtype}")
-        return LoopLinear(with_onednn=_onednn_works(dtype))
+    threads = torch.get_num_threads()
+    loop_fits = device.type == "cpu" and dtype == torch.float32 and cpu_linear.available(threads)
+    if prefer == "loop" or (prefer == "auto" and loop_fits):
+        if not loop_fits:
+            raise ValueError(f"the compiled loop linear needs float32 on a CPU with numba and 1 or 2 intra-op "
+                             f"threads (2: numba's OpenMP or TBB layer), not {device}, {dtype}, {threads} threads")
+        return LoopLinear(with_onednn=_onednn_works(dtype), threads=threads)
     if prefer == "dense":
         return DenseLinear()
     if prefer == "dense-nt":
