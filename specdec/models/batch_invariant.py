@@ -20,7 +20,7 @@ On a CPU in float32 the native backend's kernels are not row-invariant either: M
 more rows rounds differently from its one-row product, and the one-thread hybrid kernel sends one row
 to MKL and more to oneDNN (tests/test_batch_invariant.py). Exact greedy equality there rests on near-
 ties being rare; with batch_invariant it holds by construction. The compiled loop kernel (cpu_linear.py,
-"auto" at one thread) is row-invariant by itself up to cpu_linear.MAX_ROWS rows, so with it the mode
+"auto" at one or two threads) is row-invariant by itself up to cpu_linear.MAX_ROWS rows, so with it the mode
 splits wider products into chunks of up to that many rows and pads nothing (pad=False): a decode step
 then costs what it costs outside the mode, where padding it to 8 rows cost about 2x.
 """

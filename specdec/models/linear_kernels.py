@@ -19,7 +19,7 @@ against them. Reproduce: scripts/bench_model_step.py.
 Since round 42 the machine is another host (AVX2, no AVX-512), where oneDNN's few-row products are
 slow: a 5-token verify cost 1.7-2.0x a one-token step. There "loop" (cpu_linear.py, a compiled loop
 that reads each weight once for all of up to 12 rows; oneDNN above that) is "auto" at one thread
-in float32: the same one-row step as MKL and a 5-token verify about 10% faster than hybrid's, and
+(and, as a parallel build, at two) in float32: the same one-row step as MKL and a 5-token verify about 10% faster than hybrid's, and
 a row's bits do not depend on how many rows share the product (round 45).
 """
 
