@@ -33,7 +33,7 @@ def main() -> None:
     path = resolve_model(args.model)
     backends = {
         **{f"native-{kernel}": LlamaModel(path, dtype=args.dtype, num_slots=2, max_context=args.context + 64,
-                                          linear_kernel=kernel) for kernel in ("onednn", "dense", "hybrid", "loop")},
+                                          linear_kernel=kernel) for kernel in ("onednn", "dense", "hybrid", "loop", "auto")},
         "hf-sdpa": HFModel(path, dtype=args.dtype, num_slots=1, attn_implementation="sdpa"),
         "hf-eager": HFModel(path, dtype=args.dtype, num_slots=1, attn_implementation="eager"),
     }

@@ -247,3 +247,18 @@ def test_cuda_rows_compute_what_they_compute_alone(root, dtype):
     model = probe_model(tiny_dir(root, "llama3"), True, "auto", dtype=dtype, device="cuda", cuda_graphs=True)
     assert batch_differences(model) == []
     assert model.graphs.stats.replays > 0
+
+
+@pytest.mark.skipif("loop" not in [k.name for k in cpu_kernels()], reason="numba missing: no loop kernel")
+def test_auto_calibrates_outside_the_mode_and_keeps_every_chunk_on_the_loop_inside_it(root):
+    """Outside the mode "auto" measures up to how many rows the loop beats oneDNN (kernel_calibration.py)
+    and may send a verify to oneDNN; inside it every chunk stays on the loop, whose rows keep their bits."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        calibrated = LlamaModel(tiny_dir(root, "llama3"), num_slots=2, max_context=64)
+        assert calibrated.linear.name == "loop" and 0 <= calibrated.linear.loop_rows <= cpu_linear.MAX_ROWS
+        inside = LlamaModel(tiny_dir(root, "llama3"), num_slots=2, max_context=64, batch_invariant=True)
+        assert inside.linear.inner.loop_rows == cpu_linear.MAX_ROWS and not inside.linear.inner.calibrate
+    finally:
+        torch.set_num_threads(threads)

@@ -1,11 +1,12 @@
-"""The CPU linear kernels compute the same products; "auto" picks the compiled loop at one thread."""
+"""The CPU linear kernels compute the same products; "auto" picks the compiled loop at one thread and
+measures, on the model's weights, up to how many rows the loop beats oneDNN."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from specdec.models import cpu_linear
+from specdec.models import cpu_linear, kernel_calibration
 from specdec.models.linear_kernels import DenseLinear, HybridLinear, LoopLinear, OneDnnLinear, choose_linear
 
 onednn = pytest.mark.skipif(not isinstance(choose_linear(torch.device("cpu"), torch.float32, "onednn"),
@@ -84,3 +85,66 @@ def test_a_loop_row_has_the_same_bits_whatever_rows_share_its_call(width, thread
         assert torch.equal(cpu_linear.product_add(residual[:rows], x[:rows], weight, threads), alone_add[:rows]), rows
     assert torch.equal(alone, torch.cat([cpu_linear.product(x[i:i + 1], weight) for i in range(len(x))]))
     torch.testing.assert_close(alone, x @ weight.T, rtol=1e-5, atol=1e-4)
+
+
+@onednn
+def test_auto_asks_for_calibration_and_a_named_loop_runs_up_to_max_rows(monkeypatch):
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        auto = choose_linear(torch.device("cpu"), torch.float32)
+        assert auto.name == "loop" and auto.calibrate
+        named = choose_linear(torch.device("cpu"), torch.float32, "loop")
+        assert not named.calibrate and named.loop_rows == cpu_linear.MAX_ROWS
+        monkeypatch.setenv("SPECDEC_LINEAR_KERNEL", "loop")  # the A/B switch pins the loop without calibration
+        assert not choose_linear(torch.device("cpu"), torch.float32).calibrate
+    finally:
+        torch.set_num_threads(threads)
+    assert not LoopLinear(False, calibrate=True).calibrate  # no oneDNN: nothing to choose between
+
+
+@onednn
+def test_rows_above_loop_rows_go_to_onednn_and_the_rest_to_the_loop():
+    g = torch.Generator().manual_seed(2)
+    kernel = LoopLinear(True)
+    kernel.loop_rows = 2
+    weight = torch.randn(96, 64, generator=g)
+    w = kernel.prepare(weight)
+    for rows in (1, 2, 3, 5):
+        x, residual = torch.randn(rows, 64, generator=g), torch.randn(rows, 96, generator=g)
+        if rows <= 2:
+            assert torch.equal(kernel(x, w), cpu_linear.product(x, weight))
+            assert torch.equal(kernel.add(residual, x, w), cpu_linear.product_add(residual, x, weight))
+        else:
+            assert torch.equal(kernel(x, w), OneDnnLinear()(x, w.packed))
+            assert torch.equal(kernel.add(residual, x, w), OneDnnLinear().add(residual, x, w.packed))
+
+
+@onednn
+def test_calibration_times_both_kernels_on_real_weights():
+    g = torch.Generator().manual_seed(3)
+    kernel = LoopLinear(True, calibrate=True)
+    weights = [kernel.prepare(torch.randn(256, 128, generator=g)) for _ in range(4)]
+    assert 0 <= kernel_calibration.loop_rows(kernel, weights, repeats=1) <= cpu_linear.MAX_ROWS
+
+
+@pytest.mark.parametrize(("loop_ms", "onednn_ms", "expected"), [
+    ({1: 10, 2: 12, 3: 14, 4: 16}, {1: 12, 2: 12.5, 3: 12, 4: 12}, 2),  # oneDNN ahead from 3 rows
+    ({1: 10, 2: 10}, {1: 9.9, 2: 5}, 1),  # a near-tie (within MARGIN) stays with the loop
+    ({1: 10}, {1: 8}, 0),  # the loop loses even one row: oneDNN for every product
+    ({}, {}, cpu_linear.MAX_ROWS),  # the loop never loses
+])
+def test_the_loop_keeps_every_row_count_up_to_its_first_clear_loss(monkeypatch, loop_ms, onednn_ms, expected):
+    """The decision on given timings: rows are tried in order and the first where oneDNN is faster by
+    more than MARGIN ends the loop's range (counts not listed: the loop wins)."""
+    tried = []
+
+    def least(runs, repeats, order):
+        rows = len(tried) + 1
+        tried.append(rows)
+        return {"loop": loop_ms.get(rows, 1) / 1e3, "onednn": onednn_ms.get(rows, 2) / 1e3}
+
+    monkeypatch.setattr(kernel_calibration, "_least", least)
+    kernel = LoopLinear(True, calibrate=True)
+    assert kernel_calibration.loop_rows(kernel, [kernel.prepare(torch.ones(8, 8))]) == expected
+    assert tried == list(range(1, min(expected + 1, cpu_linear.MAX_ROWS) + 1))  # it stops at the first loss

@@ -14,7 +14,8 @@ and the 49,152-row lm_head: 7-9 ms for one row and 9-13 for five (MKL: 12 and 30
 oneDNN cross between 9 and 12 rows. So up to MAX_ROWS rows this loop runs, and above that oneDNN on
 its packed copy of the weight (linear_kernels.LoopLinear), which reuses each weight across many rows.
 In a whole forward (scripts/bench_model_step.py) a one-row step costs what MKL's does, and a 5-token
-verify about 1.55x a step against oneDNN's 1.85x. At two intra-op threads a parallel build splits the
+verify about 1.55x a step against oneDNN's 1.85x. Hosts differ: on the AVX-512 one of round 46 oneDNN
+wins from two rows on, so "auto" measures the crossover on each machine (kernel_calibration.py). At two intra-op threads a parallel build splits the
 weight's rows over the threads (each sum still on one thread, so the bits are the serial build's):
 a whole step 40 ms against oneDNN's 50 at two threads, a 5-token verify 66 against 74 (round 45).
 

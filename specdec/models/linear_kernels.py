@@ -20,7 +20,11 @@ Since round 42 the machine is another host (AVX2, no AVX-512), where oneDNN's fe
 slow: a 5-token verify cost 1.7-2.0x a one-token step. There "loop" (cpu_linear.py, a compiled loop
 that reads each weight once for all of up to 12 rows; oneDNN above that) is "auto" at one thread
 (and, as a parallel build, at two) in float32: the same one-row step as MKL and a 5-token verify about 10% faster than hybrid's, and
-a row's bits do not depend on how many rows share the product (round 45).
+a row's bits do not depend on how many rows share the product (round 45). Since round 46 the host is
+an AVX-512 one (family 26) where oneDNN wins every product of two or more rows (a 5-token verify 27
+ms against the loop's 38, a step 18 ms on the loop against oneDNN's 21), so "auto" measures, once the
+weights are loaded, up to how many rows the loop wins on them (kernel_calibration.py) and sends wider
+products to oneDNN; a named "loop" still runs the loop up to MAX_ROWS.
 """
 
 from __future__ import annotations
@@ -135,23 +139,30 @@ class _LoopLayouts(NamedTuple):
 
 
 class LoopLinear:
-    """Up to cpu_linear.MAX_ROWS rows: the compiled loop on the weight as loaded; more (prefills, wide
-    batched steps): oneDNN on the prepacked weight, or F.linear where oneDNN is missing. float32 on
-    a CPU at one or two threads (cpu_linear.py; at two, the loop's parallel build); like hybrid, it
-    keeps two copies of each weight."""
+    """Up to `loop_rows` rows (at most cpu_linear.MAX_ROWS): the compiled loop on the weight as loaded;
+    more (verifies where oneDNN is faster, prefills, wide batched steps): oneDNN on the prepacked
+    weight, or F.linear where oneDNN is missing. float32 on a CPU at one or two threads (cpu_linear.py;
+    at two, the loop's parallel build); like hybrid, it keeps two copies of each weight.
+
+    calibrate=True (what "auto" asks for): the model times both kernels on its own weights once they are
+    loaded and sets loop_rows to where the loop stops winning (calibrate_loop_rows): which rows each
+    kernel does best changed with every host this project ran on. Named "loop", loop_rows stays at
+    MAX_ROWS, where a row's bits never depend on how many rows share a product."""
 
     name = "loop"
 
-    def __init__(self, with_onednn: bool, threads: int = 1) -> None:
+    def __init__(self, with_onednn: bool, threads: int = 1, calibrate: bool = False) -> None:
         self._onednn = OneDnnLinear() if with_onednn else None
         self.threads = threads
+        self.loop_rows = cpu_linear.MAX_ROWS
+        self.calibrate = calibrate and with_onednn  # without oneDNN there is nothing to choose between
 
     def prepare(self, weight: torch.Tensor) -> _LoopLayouts:
         weight = weight.contiguous()
         return _LoopLayouts(weight, self._onednn.prepare(weight) if self._onednn else None)
 
     def __call__(self, x: torch.Tensor, w: _LoopLayouts, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.shape[0] <= cpu_linear.MAX_ROWS:
+        if x.shape[0] <= self.loop_rows:
             out = cpu_linear.product(x, w.plain, self.threads)
             return out if bias is None else out.add_(bias)
         if w.packed is not None:
@@ -159,11 +170,14 @@ class LoopLinear:
         return torch.nn.functional.linear(x, w.plain, bias)
 
     def add(self, residual: torch.Tensor, x: torch.Tensor, w: _LoopLayouts) -> torch.Tensor:
-        if x.shape[0] <= cpu_linear.MAX_ROWS:
+        if x.shape[0] <= self.loop_rows:
             return cpu_linear.product_add(residual, x, w.plain, self.threads)
         if w.packed is not None:
             return self._onednn.add(residual, x, w.packed)
         return torch.addmm(residual, x, w.plain.t())
+
+    def onednn(self, x: torch.Tensor, w: _LoopLayouts) -> torch.Tensor:
+        return self._onednn(x, w.packed)
 
 
 Linear = DenseLinear | DenseNTLinear | OneDnnLinear | HybridLinear | LoopLinear
@@ -173,7 +187,8 @@ KERNELS = ("auto", "dense", "dense-nt", "onednn", "hybrid", "loop")
 def choose_linear(device: torch.device, dtype: torch.dtype, prefer: str = "auto") -> Linear:
     """The kernel for this device and dtype ("auto"), or the one named by `prefer` (see KERNELS).
     "auto" on a CPU in float32 at one or two intra-op threads: the compiled loop (cpu_linear.py) when
-    numba can run it with that many, else hybrid at one thread and oneDNN at more. SPECDEC_LINEAR_KERNEL
+    numba can run it with that many, for as many rows as it beats oneDNN on the model's weights (measured
+    at load, kernel_calibration.py), else hybrid at one thread and oneDNN at more. SPECDEC_LINEAR_KERNEL
     names what "auto" means (an A/B switch for benchmarks, which start the services as processes of
     their own)."""
     if prefer == "auto":
@@ -186,7 +201,8 @@ def choose_linear(device: torch.device, dtype: torch.dtype, prefer: str = "auto"
         if not loop_fits:
             raise ValueError(f"the compiled loop linear needs float32 on a CPU with numba and 1 or 2 intra-op "
                              f"threads (2: numba's OpenMP or TBB layer), not {device}, {dtype}, {threads} threads")
-        return LoopLinear(with_onednn=_onednn_works(dtype), threads=threads)
+        # "auto" measures where the loop beats oneDNN on the model's weights; named, the loop runs up to MAX_ROWS.
+        return LoopLinear(with_onednn=_onednn_works(dtype), threads=threads, calibrate=prefer == "auto")
     if prefer == "dense":
         return DenseLinear()
     if prefer == "dense-nt":

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from specdec.errors import InvalidArgument
-from specdec.models import cpu_attention, cpu_decode, cpu_linear
+from specdec.models import cpu_attention, cpu_decode, cpu_linear, kernel_calibration
 from specdec.models.base import ModelInfo
 from specdec.models.batch_invariant import FixedRowsLinear, rows_for
 from specdec.models.kv_cache import SlotKVCache
@@ -113,11 +113,15 @@ class LlamaModel:
         self.pad_rows = (batch_invariant_rows or rows_for(self.device)) if batch_invariant else 0
         if batch_invariant and batch_invariant_rows is None and self.linear.name == "loop":
             # Its rows are invariant by themselves up to MAX_ROWS: chunks of up to that many, no padding.
+            self.linear.calibrate = False  # the loop for every chunk: its rows keep their bits up to MAX_ROWS
             self.linear, self.pad_rows = FixedRowsLinear(self.linear, cpu_linear.MAX_ROWS, pad=False), 0
         elif batch_invariant:
             self.linear = FixedRowsLinear(self.linear, self.pad_rows)
         self.head_token_ids = head_token_ids
         self.weights = load_weights(path, cfg, self.dtype, self.device, self.linear, head_token_ids)
+        if getattr(self.linear, "calibrate", False):
+            products = [(layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down) for layer in self.weights.layers]
+            self.linear.loop_rows = kernel_calibration.loop_rows(self.linear, [w for ws in products for w in ws])
         self.cache = SlotKVCache(
             cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_context,
             num_slots=None if kv_budget_bytes else num_slots, budget_bytes=kv_budget_bytes,
