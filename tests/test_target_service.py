@@ -403,11 +403,12 @@ async def test_sigterm_lets_in_flight_calls_finish(services):
     async with client(doomed) as target:
         sessions = [await new_session(target) for _ in range(4)]
         # Four long decodes queue on the one model thread: whatever SIGTERM interrupts, it must finish.
-        in_flight = [asyncio.ensure_future(target.decode(s, p, 300)) for s, p in sessions]
-        await asyncio.sleep(0.2)
+        # The signal follows them closely: 4 x 480 steps of the tiny model took under 0.2 s on a fast host.
+        in_flight = [asyncio.ensure_future(target.decode(s, p, 480)) for s, p in sessions]
+        await asyncio.sleep(0.02)
         assert not all(call.done() for call in in_flight)
         doomed.signal(signal.SIGTERM)
-        assert [len(tokens) for tokens in await asyncio.gather(*in_flight)] == [300] * 4
+        assert [len(tokens) for tokens in await asyncio.gather(*in_flight)] == [480] * 4
         with pytest.raises(errors.ServiceUnavailable):
             await target.decode(*sessions[0], 1)
     assert await asyncio.to_thread(doomed.proc.wait, 30) == 0
