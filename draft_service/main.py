@@ -156,11 +156,14 @@ def build_engine(settings: DraftServiceSettings):
         info = ModelInfo(name="", architecture="", vocab_size=0, max_context=0, dtype="", device="cpu", backend="")
         top_m = None
     else:
+        import torch
+
         from specdec.models.loader import load_model
         from specdec.proposers.copy_guess import CopyRule
         from specdec.proposers.draft_model import DraftModelProposer
 
-        log.info("loading draft model %s from %s", settings.model, model_dir)
+        log.info("loading draft model %s from %s (%d intra-op threads)", settings.model, model_dir,
+                 torch.get_num_threads())
         model = load_model(model_dir, backend=settings.backend, device=settings.device, dtype=settings.dtype,
                            num_slots=settings.num_slots, max_context=settings.max_context, name=settings.model,
                            head_vocab=settings.head_vocab, cuda_graphs=settings.cuda_graphs,

@@ -165,13 +165,16 @@ def invariant_note(batch_invariant: bool, rows: int | None) -> str:
 
 def run(settings: TargetServiceSettings, adapt_inner_draft=None) -> int:
     """adapt_inner_draft(engine) -> engine: a benchmark's hook on the hosted draft (bench/replay_target)."""
+    import torch
+
     from specdec.engine.target import TargetEngine
     from specdec.models.loader import load_model
     from specdec.models.registry import resolve_model
 
     model_dir = resolve_model(settings.model)
-    log.info("loading target %s from %s (%s, %s, %s%s)", settings.model, model_dir, settings.backend,
-             settings.device, settings.dtype, invariant_note(settings.batch_invariant, settings.batch_invariant_rows))
+    log.info("loading target %s from %s (%s, %s, %s%s; %d intra-op threads)", settings.model, model_dir,
+             settings.backend, settings.device, settings.dtype,
+             invariant_note(settings.batch_invariant, settings.batch_invariant_rows), torch.get_num_threads())
     model = load_model(model_dir, backend=settings.backend, device=settings.device, dtype=settings.dtype,
                        num_slots=settings.num_slots, max_context=settings.max_context, name=settings.model,
                        cuda_graphs=settings.cuda_graphs, compile_layers=settings.compile_layers,

@@ -221,6 +221,19 @@ def test_model_pods_get_gpus_and_the_rest_do_not(default_docs):
             assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in tolerations
 
 
+def test_model_containers_take_as_many_threads_as_cpus_they_request(default_docs):
+    """torch sizes its intra-op pool by the node's cores, not the pod's share: OMP_NUM_THREADS follows
+    the model container's CPU request (docs/DEPLOYMENT.md, threads)."""
+    for name, workload in by_kind(default_docs, "Deployment").items():
+        if name not in MODEL_DEPLOYMENTS:
+            continue
+        model = next(c for c in containers(workload).values() if c["name"] != "registrar")
+        env = {e["name"]: e for e in model["env"]}
+        assert env["OMP_NUM_THREADS"]["valueFrom"]["resourceFieldRef"] == {
+            "containerName": model["name"], "resource": "requests.cpu", "divisor": "1"}, name
+        assert model["resources"]["requests"]["cpu"]
+
+
 @pytest.mark.parametrize("tls", [True, False])
 def test_native_grpc_probes_on_the_health_port(tls):
     docs = render(None if tls else values_of(CHART / "ci" / "plaintext-values.yaml"))

@@ -41,8 +41,9 @@ def specdec_cmd(*args):
 
 
 @pytest.mark.parametrize("placement, extra", [("service", []), ("target", []),
-                                              ("service", ["--batch-invariant", "--batch-invariant-rows", "3"])],
-                         ids=["service", "target", "batch-invariant"])
+                                              ("service", ["--batch-invariant", "--batch-invariant-rows", "3"]),
+                                              ("service", ["--threads", "2"])],
+                         ids=["service", "target", "batch-invariant", "threads"])
 def test_launch_with_prompt_prints_the_plain_decoding_answer(models, placement, extra, tmp_path):
     """The draft model as a service of its own, or hosted by the target (--draft-placement target);
     and a batch-invariant target (--batch-invariant reaches the target service)."""
@@ -60,7 +61,37 @@ def test_launch_with_prompt_prints_the_plain_decoding_answer(models, placement, 
     proposer = {"service": "draft-model", "target": "draft-model-target"}[placement]
     assert answer["stats"]["proposer"] == proposer and answer["stats"]["cycles"] > 0
     target_log = "".join(p.read_text() for p in tmp_path.glob("target_service*.log"))
-    assert ("batch-invariant, products of 3 rows" in target_log) == bool(extra), target_log[-2000:]
+    assert ("batch-invariant, products of 3 rows" in target_log) == ("--batch-invariant" in extra), target_log[-2000:]
+    # --threads reaches both model services; without it OMP_NUM_THREADS (1 here) wins
+    threads = "2" if "--threads" in extra else "1"
+    assert f"; {threads} intra-op threads)" in target_log, target_log[-2000:]
+    if placement == "service":
+        draft_log = "".join(p.read_text() for p in tmp_path.glob("draft_service*.log"))
+        assert f"({threads} intra-op threads)" in draft_log, draft_log[-2000:]
+
+
+@pytest.mark.parametrize(("threads", "device", "services", "cores", "environ", "expected"), [
+    (None, "cpu", 2, 2, {}, "1"),  # 2 cores: one left to the coordinator, Redis and the loops; 1 each
+    (None, "cpu", 1, 2, {}, "1"),  # the draft hosted by the target: one model service
+    (None, "cpu", 2, 16, {}, "7"),
+    (None, "cpu", 1, 16, {}, "15"),
+    (None, "cpu", 2, 1, {}, "1"),
+    (None, "cpu", 2, None, {}, "1"),  # os.cpu_count() may not know
+    (None, "cpu", 2, 16, {"OMP_NUM_THREADS": "3"}, None),  # the environment's own setting wins
+    (None, "cuda:0", 2, 16, {}, None),  # on a GPU torch's default stays
+    (4, "cpu", 2, 2, {"OMP_NUM_THREADS": "3"}, "4"),  # the flag wins over everything
+])
+def test_launch_splits_the_cores_between_the_model_services(threads, device, services, cores, environ, expected):
+    from specdec.commands.launch import model_threads
+
+    env = model_threads(threads, device, services, cores, environ)
+    assert env.get("OMP_NUM_THREADS") == expected
+
+
+def test_launch_refuses_zero_threads(tmp_path):
+    result = subprocess.run(specdec_cmd("launch", "--threads", "0", "--prompt", PROMPT),
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "--threads must be at least 1" in result.stderr
 
 
 def test_launch_refuses_a_chunk_size_without_the_mode(tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import signal
 import sys
 import tempfile
@@ -49,6 +50,10 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--pipeline-branches", type=int, choices=[1, 2, 3], default=1,
                         help="with --pipelining on: branches per speculative draft (2: + a second bonus guess, "
                              "3: + all but the last token accepted; docs/PIPELINING.md)")
+    parser.add_argument("--threads", type=int, metavar="N",
+                        help="intra-op threads of each model service (default on a CPU: the cores but one, split "
+                             "between the target and the draft service, at least 1; OMP_NUM_THREADS, when set, "
+                             "wins). Processes that share cores must not each take them all (docs/DEPLOYMENT.md)")
     parser.add_argument("--log-dir", type=Path, help="service logs (default: a temporary folder)")
     parser.add_argument("--prompt", help="send this prompt, print the answer and statistics, then stop")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="for --prompt")
@@ -58,6 +63,20 @@ def add_parser(subparsers) -> None:
 
 def model_args(args: argparse.Namespace) -> list[str]:
     return ["--backend", args.backend, "--device", args.device, "--dtype", args.dtype]
+
+
+def model_threads(threads: int | None, device: str, model_services: int, cores: int | None,
+                  environ=os.environ) -> dict[str, str]:
+    """The environment that sets each model service's intra-op threads. Left to torch (all cores) on a
+    GPU or where OMP_NUM_THREADS is set. On a CPU every process here shares the cores, and one that takes
+    all of them for a step waits whenever the others run: on 2 cores, 2 threads each made plain decoding
+    8-10% slower and speculation no faster than 1 each (docs/BENCHMARKS.md, round 46). So one core is left
+    to the coordinator, Redis and the event loops, and the rest is split between the model services."""
+    if threads is not None:
+        return {"OMP_NUM_THREADS": str(threads)}
+    if "OMP_NUM_THREADS" in environ or not device.startswith("cpu"):
+        return {}
+    return {"OMP_NUM_THREADS": str(max(1, ((cores or 1) - 1) // model_services))}
 
 
 def draft_args(draft: str, args: argparse.Namespace, target_dir: Path) -> list[str] | None:
@@ -84,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
         check_batch_invariant_rows(args.batch_invariant, args.batch_invariant_rows)
     except ConfigError as exc:
         raise SystemExit(f"specdec launch: {exc}") from None
+    if args.threads is not None and args.threads < 1:
+        raise SystemExit(f"specdec launch: --threads must be at least 1, got {args.threads}")
     draft = args.draft or default_draft()
     target_dir = resolve_model(args.target)  # fetch once here, with progress, not inside the service
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="specdec-launch-"))
@@ -101,10 +122,12 @@ def run(args: argparse.Namespace) -> int:
             target_cli += ["--batch-invariant-rows", str(args.batch_invariant_rows)]
         if inner and draft != "ngram":  # the target hosts the draft model
             target_cli += ["--inner-draft", str(resolve_model(draft))]
-        target = launch("target_service", target_cli, log_dir=log_dir)
-        services = [target]
         draft_cli = None if inner else draft_args(draft, args, target_dir)
-        draft_proc = launch("draft_service", draft_cli, log_dir=log_dir) if draft_cli else None
+        model_services = 2 if draft_cli and "draft-model" in draft_cli else 1
+        threads_env = model_threads(args.threads, args.device, model_services, os.cpu_count())
+        target = launch("target_service", target_cli, log_dir=log_dir, env=threads_env)
+        services = [target]
+        draft_proc = launch("draft_service", draft_cli, log_dir=log_dir, env=threads_env) if draft_cli else None
         services += [draft_proc] if draft_proc else []
         stack.callback(stop_all, *services)
         wait_all(*services, timeout_s=300)
