@@ -15,9 +15,10 @@ oneDNN cross between 9 and 12 rows. So up to MAX_ROWS rows this loop runs, and a
 its packed copy of the weight (linear_kernels.LoopLinear), which reuses each weight across many rows.
 In a whole forward (scripts/bench_model_step.py) a one-row step costs what MKL's does, and a 5-token
 verify about 1.55x a step against oneDNN's 1.85x. Hosts differ: on the AVX-512 one of round 46 oneDNN
-wins from two rows on, so "auto" measures the crossover on each machine (kernel_calibration.py). At two intra-op threads a parallel build splits the
-weight's rows over the threads (each sum still on one thread, so the bits are the serial build's):
-a whole step 40 ms against oneDNN's 50 at two threads, a 5-token verify 66 against 74 (round 45).
+wins from three rows on, so "auto" measures the crossover on each machine (kernel_calibration.py).
+At two intra-op threads a parallel build splits the weight's rows over the threads (each sum still on
+one thread, so the bits are the serial build's): a whole step 40 ms against oneDNN's 50 at two
+threads, a 5-token verify 66 against 74 (round 45's host).
 
 Each output is one sum over the input, reassociated for vectorisation (cpu_attention.FASTMATH), in
 the same order whichever rows the call holds: rows go in pairs that share each weight load, and the

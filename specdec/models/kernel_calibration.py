@@ -6,11 +6,11 @@ Which kernel multiplies a few activation rows fastest has changed with every CPU
     host                               rows:   1      2      5     12
     family 25 (AVX2)         loop            23-29          36-48  63-84
                              oneDNN packed   33-44          47-57  68-87
-    family 26 (AVX-512)      loop             12.5   16.5   27.6   52.4
-                             oneDNN packed    14.3   15.9   15.2   21.2
+    family 26 (AVX-512)      loop             11.4   12.3   23.0   51.3
+                             oneDNN packed    14.4   16.8   16.5   22.5
 
-On the first the loop won up to 9-12 rows; on the second only one-row products, and a 5-token verify
-ran 1.3x slower on the loop than on oneDNN. So "auto" times both here, at load, and keeps the loop
+(scripts/bench_linear_products.py). On the first the loop won up to 9-12 rows; on the second up to
+two, and a 5-token verify ran 1.4x slower on the loop than on oneDNN. So "auto" times both here, at load, and keeps the loop
 for the rows where it wins. The rows are tried in order and the first count where oneDNN is faster
 by more than MARGIN ends the loop's range: a row count the loop loses is lost for wider ones too (it
 reads each weight once per pair of rows, oneDNN reuses it across all of them), and a near-tie goes

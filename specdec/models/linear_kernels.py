@@ -21,7 +21,7 @@ slow: a 5-token verify cost 1.7-2.0x a one-token step. There "loop" (cpu_linear.
 that reads each weight once for all of up to 12 rows; oneDNN above that) is "auto" at one thread
 (and, as a parallel build, at two) in float32: the same one-row step as MKL and a 5-token verify about 10% faster than hybrid's, and
 a row's bits do not depend on how many rows share the product (round 45). Since round 46 the host is
-an AVX-512 one (family 26) where oneDNN wins every product of two or more rows (a 5-token verify 27
+an AVX-512 one (family 26) where oneDNN wins every product of three or more rows (a 5-token verify 27
 ms against the loop's 38, a step 18 ms on the loop against oneDNN's 21), so "auto" measures, once the
 weights are loaded, up to how many rows the loop wins on them (kernel_calibration.py) and sends wider
 products to oneDNN; a named "loop" still runs the loop up to MAX_ROWS.
