@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
         if inner and draft != "ngram":  # the target hosts the draft model
             target_cli += ["--inner-draft", str(resolve_model(draft))]
         draft_cli = None if inner else draft_args(draft, args, target_dir)
-        model_services = 2 if draft_cli and "draft-model" in draft_cli else 1
+        model_services = 2 if draft_cli is not None and draft != "ngram" else 1  # a draft service with a model
         threads_env = model_threads(args.threads, args.device, model_services, os.cpu_count())
         target = launch("target_service", target_cli, log_dir=log_dir, env=threads_env)
         services = [target]

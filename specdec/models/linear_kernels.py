@@ -145,7 +145,7 @@ class LoopLinear:
     at two, the loop's parallel build); like hybrid, it keeps two copies of each weight.
 
     calibrate=True (what "auto" asks for): the model times both kernels on its own weights once they are
-    loaded and sets loop_rows to where the loop stops winning (calibrate_loop_rows): which rows each
+    loaded and sets loop_rows to where the loop stops winning (kernel_calibration.loop_rows): which rows each
     kernel does best changed with every host this project ran on. Named "loop", loop_rows stays at
     MAX_ROWS, where a row's bits never depend on how many rows share a product."""
 
