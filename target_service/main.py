@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdec.models.reduced_head import parse_head_vocab
+from specdec.models.step_threads import DEFAULT_WIDE_FROM_TOKENS
 from specdec.server import service
 from specdec.server.settings import ConfigError, ServerSettings, add_server_arguments, server_settings_from_args
 from specdec.server.tokenizer_info import tokenizer_facts
@@ -61,6 +62,10 @@ class TargetServiceSettings:
     inner_draft: str | None = None
     inner_draft_head_vocab: int | str | None = "auto"  # as the draft service's --head-vocab
     inner_draft_copy_below: float = 0.5  # as the draft service's --copy-below
+    # --wide-step-threads / --wide-step-tokens (CPU): forwards of at least wide_step_tokens tokens run on
+    # this many intra-op threads (specdec.models.step_threads); None: every usable core; 0: off.
+    wide_step_threads: int | None = None
+    wide_step_tokens: int = DEFAULT_WIDE_FROM_TOKENS
 
     def __post_init__(self) -> None:
         service.check_model_settings(self.num_slots, self.max_context, self.session_ttl_s,
@@ -74,6 +79,10 @@ class TargetServiceSettings:
             raise ConfigError(f"--trim-margin must be in [0, 10], got {self.trim_margin}")
         if self.step_pricing not in STEP_PRICINGS:
             raise ConfigError(f"--step-pricing must be one of {', '.join(STEP_PRICINGS)}, got {self.step_pricing!r}")
+        if self.wide_step_threads is not None and self.wide_step_threads < 0:
+            raise ConfigError(f"--wide-step-threads must be 'auto' or >= 0 (0: off), got {self.wide_step_threads}")
+        if self.wide_step_tokens < 1:
+            raise ConfigError(f"--wide-step-tokens must be >= 1, got {self.wide_step_tokens}")
         if not 0.0 <= self.inner_draft_copy_below <= 1.0:  # also refuses NaN
             raise ConfigError(f"--inner-draft-copy-below must be in [0, 1] (0 = never copy), "
                               f"got {self.inner_draft_copy_below}")
@@ -113,6 +122,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--inner-draft-copy-below", type=float, default=float(env("SPECDEC_INNER_DRAFT_COPY_BELOW", "0.5")),
                    help="the hosted draft copies from the session's text where it is this unsure, as the draft "
                         "service's --copy-below (0 = never)")
+    g.add_argument("--wide-step-threads", type=parse_wide_step_threads,
+                   default=parse_wide_step_threads(env("SPECDEC_WIDE_STEP_THREADS", "auto")),
+                   help="CPU: intra-op threads for forwards of at least --wide-step-tokens tokens (a batched "
+                        "step of many sessions, a verify block, a prefill), which are bound by arithmetic, while "
+                        "narrower ones keep the process's own threads (OMP_NUM_THREADS), which share the cores "
+                        "with the other services; auto (default): every core this process may use (its CPU "
+                        "affinity and container quota); 0: off")
+    g.add_argument("--wide-step-tokens", type=int, default=int(env("SPECDEC_WIDE_STEP_TOKENS", DEFAULT_WIDE_FROM_TOKENS)),
+                   help="the fewest tokens a forward needs to run on --wide-step-threads (default: %(default)s)")
     g.add_argument("--trim-margin", type=float, default=0.0,
                    help="goodput trimming: let drafts through only if they raise the step's expected tokens "
                         "per second by this share over plain decoding (e.g. 0.2 on CPUs, where a drafted "
@@ -134,8 +152,19 @@ def settings_from_args(args: argparse.Namespace) -> TargetServiceSettings:
         trim_margin=args.trim_margin, step_pricing=args.step_pricing, inner_draft=args.inner_draft,
         inner_draft_head_vocab=args.inner_draft_head_vocab,
         inner_draft_copy_below=args.inner_draft_copy_below,
+        wide_step_threads=args.wide_step_threads, wide_step_tokens=args.wide_step_tokens,
         **service.model_settings_from_args(args),
     )
+
+
+def parse_wide_step_threads(text: str) -> int | None:
+    """--wide-step-threads: 'auto' (None: every usable core) or a count (0: off)."""
+    if str(text).strip().lower() == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a thread count (0: off), got {text!r}") from None
 
 
 async def serve_target(settings: TargetServiceSettings, engine, tokenizer, tracer_provider=None,
@@ -170,16 +199,21 @@ def run(settings: TargetServiceSettings, adapt_inner_draft=None) -> int:
     from specdec.engine.target import TargetEngine
     from specdec.models.loader import load_model
     from specdec.models.registry import resolve_model
+    from specdec.models.step_threads import policy_for
 
     model_dir = resolve_model(settings.model)
-    log.info("loading target %s from %s (%s, %s, %s%s; %d intra-op threads)", settings.model, model_dir,
+    step_threads = None if settings.batch_invariant else \
+        policy_for(settings.device, settings.wide_step_threads, settings.wide_step_tokens)
+    log.info("loading target %s from %s (%s, %s, %s%s; %d intra-op threads%s)", settings.model, model_dir,
              settings.backend, settings.device, settings.dtype,
-             invariant_note(settings.batch_invariant, settings.batch_invariant_rows), torch.get_num_threads())
+             invariant_note(settings.batch_invariant, settings.batch_invariant_rows), torch.get_num_threads(),
+             f", {step_threads.wide} for forwards of {step_threads.wide_from_tokens} tokens or more"
+             if step_threads else "")
     model = load_model(model_dir, backend=settings.backend, device=settings.device, dtype=settings.dtype,
                        num_slots=settings.num_slots, max_context=settings.max_context, name=settings.model,
                        cuda_graphs=settings.cuda_graphs, compile_layers=settings.compile_layers,
                        graph_warmup_context=settings.graph_warmup_context, batch_invariant=settings.batch_invariant,
-                       batch_invariant_rows=settings.batch_invariant_rows)
+                       batch_invariant_rows=settings.batch_invariant_rows, step_threads=step_threads)
     if settings.test_fault:
         log.warning("TEST ONLY: verification is corrupted on purpose (--test-fault %s)", settings.test_fault)
     if settings.test_delay_ms > 0:

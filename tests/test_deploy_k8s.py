@@ -229,8 +229,9 @@ def test_model_containers_take_as_many_threads_as_cpus_they_request(default_docs
             continue
         model = next(c for c in containers(workload).values() if c["name"] != "registrar")
         env = {e["name"]: e for e in model["env"]}
-        assert env["OMP_NUM_THREADS"]["valueFrom"]["resourceFieldRef"] == {
-            "containerName": model["name"], "resource": "requests.cpu", "divisor": "1"}, name
+        for variable in ("OMP_NUM_THREADS", "SPECDEC_WIDE_STEP_THREADS"):  # wide steps: no burst past it
+            assert env[variable]["valueFrom"]["resourceFieldRef"] == {
+                "containerName": model["name"], "resource": "requests.cpu", "divisor": "1"}, (name, variable)
         assert model["resources"]["requests"]["cpu"]
 
 

@@ -106,18 +106,24 @@ def test_auto_asks_for_calibration_and_a_named_loop_runs_up_to_max_rows(monkeypa
 @onednn
 def test_rows_above_loop_rows_go_to_onednn_and_the_rest_to_the_loop():
     g = torch.Generator().manual_seed(2)
-    kernel = LoopLinear(True)
+    kernel = LoopLinear(True)  # built for one thread
     kernel.loop_rows = 2
     weight = torch.randn(96, 64, generator=g)
     w = kernel.prepare(weight)
-    for rows in (1, 2, 3, 5):
-        x, residual = torch.randn(rows, 64, generator=g), torch.randn(rows, 96, generator=g)
-        if rows <= 2:
-            assert torch.equal(kernel(x, w), cpu_linear.product(x, weight))
-            assert torch.equal(kernel.add(residual, x, w), cpu_linear.product_add(residual, x, weight))
-        else:
-            assert torch.equal(kernel(x, w), OneDnnLinear()(x, w.packed))
-            assert torch.equal(kernel.add(residual, x, w), OneDnnLinear().add(residual, x, w.packed))
+    threads = torch.get_num_threads()
+    try:
+        for forward_threads in (1, 2):  # 2: a wide step (step_threads.py) runs every product on oneDNN
+            torch.set_num_threads(forward_threads)
+            for rows in (1, 2, 3, 5):
+                x, residual = torch.randn(rows, 64, generator=g), torch.randn(rows, 96, generator=g)
+                if rows <= 2 and forward_threads == 1:
+                    assert torch.equal(kernel(x, w), cpu_linear.product(x, weight))
+                    assert torch.equal(kernel.add(residual, x, w), cpu_linear.product_add(residual, x, weight))
+                else:
+                    assert torch.equal(kernel(x, w), OneDnnLinear()(x, w.packed))
+                    assert torch.equal(kernel.add(residual, x, w), OneDnnLinear().add(residual, x, w.packed))
+    finally:
+        torch.set_num_threads(threads)
 
 
 @onednn

@@ -92,6 +92,17 @@ class BenchConfig:
         """--target-arg=--batch-invariant-rows=N: the mode's product chunk (None: the device's default)."""
         return self.target_flags.batch_invariant_rows
 
+    def target_step_threads(self):
+        """The target service's intra-op threads by forward width (--target-arg=--wide-step-threads /
+        --wide-step-tokens, as it parses them), for the in-process target that times its steps; call
+        with the process's threads set to --threads, as the service starts with."""
+        from specdec.models.step_threads import policy_for
+
+        flags = self.target_flags
+        if flags.batch_invariant:
+            return None
+        return policy_for(self.device, flags.wide_step_threads, flags.wide_step_tokens)
+
 
 @dataclass
 class Collected:
@@ -196,7 +207,8 @@ class Bench:
         # the target service does: with --target-arg=--batch-invariant its bf16 tokens are those.
         self.inproc_models = {"target": load(self.target_dir, c.device,
                                              batch_invariant=c.batch_invariant_target,
-                                             batch_invariant_rows=c.batch_invariant_rows)}
+                                             batch_invariant_rows=c.batch_invariant_rows,
+                                             step_threads=c.target_step_threads())}
         target = TargetEngine(self.inproc_models["target"])
         drafts = {"ngram": DraftEngine(NgramProposer())}
         if self.draft_dir is not None:

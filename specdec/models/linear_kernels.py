@@ -147,7 +147,10 @@ class LoopLinear:
     calibrate=True (what "auto" asks for): the model times both kernels on its own weights once they are
     loaded and sets loop_rows to where the loop stops winning (kernel_calibration.loop_rows): which rows each
     kernel does best changed with every host this project ran on. Named "loop", loop_rows stays at
-    MAX_ROWS, where a row's bits never depend on how many rows share a product."""
+    MAX_ROWS, where a row's bits never depend on how many rows share a product. A forward that runs on more
+    intra-op threads than the loop was built for (a wide step, step_threads.py) takes oneDNN for every
+    product, which uses them all (two-token forwards: 18.0 ms on oneDNN at two threads against 22.5 on
+    the one-thread loop, default target, round 47)."""
 
     name = "loop"
 
@@ -161,8 +164,11 @@ class LoopLinear:
         weight = weight.contiguous()
         return _LoopLayouts(weight, self._onednn.prepare(weight) if self._onednn else None)
 
+    def _on_loop(self, x: torch.Tensor, w: _LoopLayouts) -> bool:
+        return x.shape[0] <= self.loop_rows and (w.packed is None or torch.get_num_threads() <= self.threads)
+
     def __call__(self, x: torch.Tensor, w: _LoopLayouts, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.shape[0] <= self.loop_rows:
+        if self._on_loop(x, w):
             out = cpu_linear.product(x, w.plain, self.threads)
             return out if bias is None else out.add_(bias)
         if w.packed is not None:
@@ -170,7 +176,7 @@ class LoopLinear:
         return torch.nn.functional.linear(x, w.plain, bias)
 
     def add(self, residual: torch.Tensor, x: torch.Tensor, w: _LoopLayouts) -> torch.Tensor:
-        if x.shape[0] <= self.loop_rows:
+        if self._on_loop(x, w):
             return cpu_linear.product_add(residual, x, w.plain, self.threads)
         if w.packed is not None:
             return self._onednn.add(residual, x, w.packed)

@@ -39,6 +39,7 @@ from specdec.models.llama_batch import ForwardBatch, plan_batch, rope_tables
 from specdec.models.llama_config import LlamaConfig
 from specdec.models.llama_weights import LayerWeights, load_weights
 from specdec.models.slot_attention import attention_in_place, attention_per_token, gather_slots, grouped_attention
+from specdec.models.step_threads import StepThreads, threads_for
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,8 @@ class LlamaModel:
     fused CPU loop is not used. batch_invariant_rows: the rows of a product chunk (None: rows_for(device),
     or with the "loop" kernel unpadded chunks of up to cpu_linear.MAX_ROWS).
     Any fixed count is invariant; it trades a narrow step's padding against a wide step's weight reads.
+    step_threads (CPU): intra-op threads by a forward's token count (step_threads.py); None: every
+    forward on the process's threads. Not with batch_invariant (a kernel may split its sums by threads).
     """
 
     def __init__(
@@ -89,6 +92,7 @@ class LlamaModel:
         fused_decode: bool = False,
         batch_invariant: bool = False,
         batch_invariant_rows: int | None = None,
+        step_threads: StepThreads | None = None,
     ):
         if dtype not in DTYPES:
             raise InvalidArgument(f"dtype {dtype!r} is not supported; choose one of {sorted(DTYPES)}")
@@ -118,6 +122,7 @@ class LlamaModel:
         elif batch_invariant:
             self.linear = FixedRowsLinear(self.linear, self.pad_rows)
         self.head_token_ids = head_token_ids
+        self.step_threads = None if batch_invariant else step_threads
         self.weights = load_weights(path, cfg, self.dtype, self.device, self.linear, head_token_ids)
         if getattr(self.linear, "calibrate", False):
             products = [(layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down) for layer in self.weights.layers]
@@ -216,7 +221,8 @@ class LlamaModel:
         the final hidden states they came from [sum(num_logits), hidden]: what a caller scoring extra
         columns for many rows at once (the draft proposer's batched steps) multiplies itself."""
         lengths = [len(row) for row in token_ids]
-        return self._forward(list(slots), token_ids, lengths, list(lengths if num_logits is None else num_logits))
+        with threads_for(self.step_threads, sum(lengths)):
+            return self._forward(list(slots), token_ids, lengths, list(lengths if num_logits is None else num_logits))
 
     @torch.inference_mode()
     def head_rows(self, ids: torch.Tensor) -> torch.Tensor:

@@ -62,6 +62,7 @@ def load_model(
     fused_decode: bool = False,
     batch_invariant: bool = False,
     batch_invariant_rows: int | None = None,
+    step_threads=None,
 ) -> CausalLM:
     """Load the model in directory `path` with `backend` ("native", "hf", or "auto": native if supported).
 
@@ -80,6 +81,8 @@ def load_model(
     in the last bits. Ignored elsewhere.
     batch_invariant (native only): every row of a batched forward computes exactly what it computes
     alone (specdec.models.batch_invariant); batch_invariant_rows: its product chunk (None: the device's default).
+    step_threads (native, CPU): a specdec.models.step_threads.StepThreads, intra-op threads by a forward's
+    token count; ignored by the HF backend.
     """
     path = Path(path)
     apply_matmul_reductions()
@@ -100,7 +103,7 @@ def load_model(
             kv_budget_bytes=kv_budget_bytes, name=name, head_token_ids=reduced_head(path, head_vocab),
             cuda_graphs=use_cuda_graphs(cuda_graphs, device), compile_layers=compile_layers,
             graph_warmup_context=graph_warmup_context, fused_decode=fused_decode, batch_invariant=batch_invariant,
-            batch_invariant_rows=batch_invariant_rows,
+            batch_invariant_rows=batch_invariant_rows, step_threads=step_threads,
         )
     if kv_budget_bytes is not None:
         raise InvalidArgument("kv_budget_bytes is supported by the native backend only; give num_slots")
