@@ -2,6 +2,9 @@
 
     python scripts/bench_model_step.py [--model smollm2-135m-instruct] [--context 300] [--threads 2]
 
+"native-auto-wide": auto built at --threads, its forwards on every usable core, as the target service
+runs them (specdec/models/step_threads.py; shown where there are more cores than --threads).
+
 Both backends hold the same prefilled context; each timed forward is undone with truncate, so every
 repetition runs at the same position. Backends are timed interleaved, repetition by repetition, so a
 neighbour's load on a shared machine hits all of them alike; the median and the minimum are reported.
@@ -18,6 +21,7 @@ import torch
 from specdec.models.hf_backend import HFModel
 from specdec.models.llama import LlamaModel
 from specdec.models.registry import resolve_model
+from specdec.models.step_threads import policy_for
 
 
 def main() -> None:
@@ -34,6 +38,8 @@ def main() -> None:
     backends = {
         **{f"native-{kernel}": LlamaModel(path, dtype=args.dtype, num_slots=2, max_context=args.context + 64,
                                           linear_kernel=kernel) for kernel in ("onednn", "dense", "hybrid", "loop", "auto")},
+        **({"native-auto-wide": LlamaModel(path, dtype=args.dtype, num_slots=2, max_context=args.context + 64,
+                                           step_threads=policy_for("cpu", None))} if policy_for("cpu", None) else {}),
         "hf-sdpa": HFModel(path, dtype=args.dtype, num_slots=1, attn_implementation="sdpa"),
         "hf-eager": HFModel(path, dtype=args.dtype, num_slots=1, attn_implementation="eager"),
     }

@@ -44,6 +44,9 @@ def test_bench_runs_end_to_end_and_writes_the_report_and_the_plot(models, tmp_pa
     assert meta["prompts"]["count"] == 2 and meta["code"]["commit"]
     assert meta["extra_service_flags"]["draft"] == ["--session-ttl=900"]  # every draft service took it
     assert meta["models"]["target"]["parameters"] > 0
+    from specdec.models.step_threads import usable_cores  # the target's forwards on every usable core
+    assert meta["target_step_threads"] == (None if usable_cores() == 1 else
+                                           {"narrow": 1, "wide": usable_cores(), "wide_from_tokens": 1})
     overall = report["batch1"]["overall"]
     assert set(overall) >= {"plain", "plain-inproc", "hf-greedy", "hf-assisted", "hf-pld", "specdec-ngram",
                             "specdec-draft"}

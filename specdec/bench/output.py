@@ -142,6 +142,9 @@ def assemble(bench: Bench, collected: Collected) -> dict:
             if c.arrival_rates else None,
             "hf": notes.get("hf"), "warmup_s": notes.get("warmup_s"), "rescored_divergences": notes.get("rescored_divergences"),
             "batch_invariant_target": notes.get("batch_invariant_target", False),
+            # The target's intra-op threads by forward width, as the service and the in-process target
+            # ran them (specdec/models/step_threads.py); None: every forward on `threads`.
+            "target_step_threads": notes.get("target_step_threads"),
             "tie_units": c.tie_units, "log_dir": notes.get("log_dir"),
         },
         "methods": bench.describe_methods(),

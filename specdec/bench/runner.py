@@ -205,10 +205,13 @@ class Bench:
                                                   **kw)
         # The in-process target (references, the replay proposer's greedy tokens, timings) computes as
         # the target service does: with --target-arg=--batch-invariant its bf16 tokens are those.
+        step_threads = c.target_step_threads()
+        self.collected.notes["target_step_threads"] = None if step_threads is None else {
+            "narrow": step_threads.narrow, "wide": step_threads.wide, "wide_from_tokens": step_threads.wide_from_tokens}
         self.inproc_models = {"target": load(self.target_dir, c.device,
                                              batch_invariant=c.batch_invariant_target,
                                              batch_invariant_rows=c.batch_invariant_rows,
-                                             step_threads=c.target_step_threads())}
+                                             step_threads=step_threads)}
         target = TargetEngine(self.inproc_models["target"])
         drafts = {"ngram": DraftEngine(NgramProposer())}
         if self.draft_dir is not None:
