@@ -186,6 +186,14 @@ async def serve_target(settings: TargetServiceSettings, engine, tokenizer, trace
     )
 
 
+def wide_note(step_threads) -> str:
+    if step_threads is None:
+        return ""
+    if step_threads.wide_from_tokens <= 1:
+        return f", its forwards on {step_threads.wide}"
+    return f", forwards of {step_threads.wide_from_tokens} tokens or more on {step_threads.wide}"
+
+
 def invariant_note(batch_invariant: bool, rows: int | None) -> str:
     if not batch_invariant:
         return ""
@@ -207,8 +215,7 @@ def run(settings: TargetServiceSettings, adapt_inner_draft=None) -> int:
     log.info("loading target %s from %s (%s, %s, %s%s; %d intra-op threads%s)", settings.model, model_dir,
              settings.backend, settings.device, settings.dtype,
              invariant_note(settings.batch_invariant, settings.batch_invariant_rows), torch.get_num_threads(),
-             f", {step_threads.wide} for forwards of {step_threads.wide_from_tokens} tokens or more"
-             if step_threads else "")
+             wide_note(step_threads))
     model = load_model(model_dir, backend=settings.backend, device=settings.device, dtype=settings.dtype,
                        num_slots=settings.num_slots, max_context=settings.max_context, name=settings.model,
                        cuda_graphs=settings.cuda_graphs, compile_layers=settings.compile_layers,

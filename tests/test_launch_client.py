@@ -20,6 +20,7 @@ from specdec.engine.target import TargetEngine
 from specdec.generation.loop import generate
 from specdec.generation.stopping import StopChecker
 from specdec.models.loader import load_model
+from specdec.models.step_threads import usable_cores
 from specdec.models.tokenizer import encode_prompt, eos_token_ids, load_tokenizer
 from specdec.sampling.params import SamplingParams
 
@@ -64,7 +65,10 @@ def test_launch_with_prompt_prints_the_plain_decoding_answer(models, placement, 
     assert ("batch-invariant, products of 3 rows" in target_log) == ("--batch-invariant" in extra), target_log[-2000:]
     # --threads reaches both model services; without it OMP_NUM_THREADS (1 here) wins
     threads = "2" if "--threads" in extra else "1"
-    assert f"; {threads} intra-op threads)" in target_log, target_log[-2000:]
+    assert f"; {threads} intra-op threads" in target_log, target_log[-2000:]
+    # the target's own forwards on every usable core (step_threads.py), unless the process has them all
+    wide = usable_cores() > int(threads) and "--batch-invariant" not in extra
+    assert (f"intra-op threads, its forwards on {usable_cores()})" in target_log) == wide, target_log[-2000:]
     if placement == "service":
         draft_log = "".join(p.read_text() for p in tmp_path.glob("draft_service*.log"))
         assert f"({threads} intra-op threads)" in draft_log, draft_log[-2000:]
