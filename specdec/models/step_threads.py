@@ -5,9 +5,9 @@ service runs on a slice of the cores (`specdec launch` gives each one thread on 
 draft's steps and the target's do not fight over them. But the target's forwards are the one part of
 a cycle the rest waits for: while the target verifies, the draft service is idle (sequential cycles)
 and so is a coordinator waiting for the result. Run on every core with oneDNN's products, they take
-1.2-1.3x less time on the two-core host of docs/BENCHMARKS.md (round 47: a 5-token verify 21 against
-27 ms, a 16-session decode step 41 against 52); in the running system plain decoding at one session
-gained 16-20% and speculation 20-25%. So a forward of at least `wide_from_tokens` tokens runs on
+1.1-1.3x less time on the two-core host of docs/BENCHMARKS.md (round 47: a 5-token verify 21 against
+26 ms, a 16-session decode step 41 against 52); in the running system every method, plain decoding
+included, made 13-27% more tokens per second. So a forward of at least `wide_from_tokens` tokens runs on
 `wide` threads, the others on `narrow` (the threads the process started with, which a hosted draft's
 forwards keep), and the count is put back after each forward: every forward on the model thread sets
 what it needs.
@@ -27,7 +27,7 @@ import torch
 from specdec.errors import InvalidArgument
 
 # Every forward of the target by default. From two or three tokens on, only verifies and batched steps
-# would go wide: speculation ran as fast, but plain decoding 16-20% slower (round 47).
+# would go wide: speculation ran as fast, but plain decoding 14-17% slower (round 47).
 DEFAULT_WIDE_FROM_TOKENS = 1
 
 
