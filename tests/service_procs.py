@@ -13,9 +13,12 @@ from specdec.processes import (  # noqa: F401  (re-exported for the tests)
     wait_all,
 )
 
-# One intra-op thread: tiny test models gain nothing from more, and several services share the
-# cores. No trace export from the children unless a test asks for it.
-TEST_ENV = {"OTEL_TRACES_EXPORTER": "none", "OMP_NUM_THREADS": "1"}
+# One intra-op thread, the target's forwards included (SPECDEC_WIDE_STEP_THREADS=0): tiny test models
+# gain nothing from more, several services share the cores, and a forward spread over every core
+# delays the service's own event loop (a call sent 20 ms before a SIGTERM was not yet accepted).
+# tests/test_launch_client.py and tests/test_bench.py run the default. No trace export from the
+# children unless a test asks for it.
+TEST_ENV = {"OTEL_TRACES_EXPORTER": "none", "OMP_NUM_THREADS": "1", "SPECDEC_WIDE_STEP_THREADS": "0"}
 
 
 def launch(module: str, args: list[str], *, env: dict[str, str] | None = None, **kwargs) -> ServiceProcess:
