@@ -124,11 +124,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "service's --copy-below (0 = never)")
     g.add_argument("--wide-step-threads", type=parse_wide_step_threads,
                    default=parse_wide_step_threads(env("SPECDEC_WIDE_STEP_THREADS", "auto")),
-                   help="CPU: intra-op threads for forwards of at least --wide-step-tokens tokens (a batched "
-                        "step of many sessions, a verify block, a prefill), which are bound by arithmetic, while "
-                        "narrower ones keep the process's own threads (OMP_NUM_THREADS), which share the cores "
-                        "with the other services; auto (default): every core this process may use (its CPU "
-                        "affinity and container quota); 0: off")
+                   help="CPU: intra-op threads for the target's forwards (those of at least --wide-step-tokens "
+                        "tokens), which the rest of a cycle waits for, while the process keeps its own threads "
+                        "(OMP_NUM_THREADS, a share of cores used by other services too) for the rest, a hosted "
+                        "draft's forwards; auto (default): every core this process may use (its CPU affinity "
+                        "and container quota); 0: off")
     g.add_argument("--wide-step-tokens", type=int, default=int(env("SPECDEC_WIDE_STEP_TOKENS", DEFAULT_WIDE_FROM_TOKENS)),
                    help="the fewest tokens a forward needs to run on --wide-step-threads (default: %(default)s)")
     g.add_argument("--trim-margin", type=float, default=0.0,
