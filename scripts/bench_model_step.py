@@ -35,11 +35,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
+    wide = policy_for("cpu", None)
     backends = {
         **{f"native-{kernel}": LlamaModel(path, dtype=args.dtype, num_slots=2, max_context=args.context + 64,
                                           linear_kernel=kernel) for kernel in ("onednn", "dense", "hybrid", "loop", "auto")},
         **({"native-auto-wide": LlamaModel(path, dtype=args.dtype, num_slots=2, max_context=args.context + 64,
-                                           step_threads=policy_for("cpu", None))} if policy_for("cpu", None) else {}),
+                                           step_threads=wide)} if wide else {}),
         "hf-sdpa": HFModel(path, dtype=args.dtype, num_slots=1, attn_implementation="sdpa"),
         "hf-eager": HFModel(path, dtype=args.dtype, num_slots=1, attn_implementation="eager"),
     }

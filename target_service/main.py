@@ -210,8 +210,8 @@ def run(settings: TargetServiceSettings, adapt_inner_draft=None) -> int:
     from specdec.models.step_threads import policy_for
 
     model_dir = resolve_model(settings.model)
-    step_threads = None if settings.batch_invariant else \
-        policy_for(settings.device, settings.wide_step_threads, settings.wide_step_tokens)
+    step_threads = policy_for(settings.device, settings.wide_step_threads, settings.wide_step_tokens,
+                              settings.batch_invariant)
     log.info("loading target %s from %s (%s, %s, %s%s; %d intra-op threads%s)", settings.model, model_dir,
              settings.backend, settings.device, settings.dtype,
              invariant_note(settings.batch_invariant, settings.batch_invariant_rows), torch.get_num_threads(),

@@ -99,9 +99,7 @@ class BenchConfig:
         from specdec.models.step_threads import policy_for
 
         flags = self.target_flags
-        if flags.batch_invariant:
-            return None
-        return policy_for(self.device, flags.wide_step_threads, flags.wide_step_tokens)
+        return policy_for(self.device, flags.wide_step_threads, flags.wide_step_tokens, flags.batch_invariant)
 
 
 @dataclass

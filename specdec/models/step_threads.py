@@ -81,14 +81,15 @@ def usable_cores() -> int:
 
 
 def policy_for(device: str, wide_threads: int | None, wide_from_tokens: int = DEFAULT_WIDE_FROM_TOKENS,
-               narrow: int | None = None) -> StepThreads | None:
-    """The policy of a model on `device`: wide_threads None means every usable core, 0 means off (every
-    step on the process's threads). None (no policy) off a CPU, or where wide would not exceed narrow."""
+               batch_invariant: bool = False) -> StepThreads | None:
+    """The policy of a model on `device`, narrow being the calling thread's count now: wide_threads None
+    means every usable core, 0 means off (every step on the process's threads). None (no policy) off a
+    CPU, for a batch-invariant model (which keeps its threads), or where wide would not exceed narrow."""
     if wide_threads is not None and wide_threads < 0:
         raise InvalidArgument(f"wide-step threads must be >= 0 (0: off), got {wide_threads}")
-    if not device.startswith("cpu") or wide_threads == 0:
+    if not device.startswith("cpu") or wide_threads == 0 or batch_invariant:
         return None
-    narrow = narrow or torch.get_num_threads()
+    narrow = torch.get_num_threads()
     wide = usable_cores() if wide_threads is None else wide_threads
     if wide <= narrow:
         return None
