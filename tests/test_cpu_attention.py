@@ -1,5 +1,6 @@
 """The compiled CPU attention of decode and verify tokens (specdec/models/cpu_attention.py) against SDPA."""
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -82,7 +83,7 @@ def test_the_model_uses_it_for_decodes_and_verifies_and_agrees_with_sdpa(tmp_pat
 
 
 def test_more_than_two_threads_keep_sdpa(tmp_path, monkeypatch):
-    """The loop is single-threaded: where SDPA may split its work across more threads, it keeps it."""
+    """The loop was measured at one and two threads only: with more, SDPA keeps the attention."""
     model = LlamaModel(tiny_dir(tmp_path, "llama3"), num_slots=2, max_context=64)
     slot = model.allocate()
     model.forward([slot], [random_tokens(20)], [0])
@@ -90,3 +91,54 @@ def test_more_than_two_threads_keep_sdpa(tmp_path, monkeypatch):
     assert model._plan([slot], [[5]], [20], [1], [1]).query_key_lens is not None
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
     assert model._plan([slot], [[5]], [20], [1], [1]).query_key_lens is None
+
+
+def scattered_queries(seed, tokens_per_row=(1, 5, 1, 3), heads=9, kv_heads=3, dim=16, ctx=80):
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randn(6, kv_heads, ctx + 1, dim, generator=gen)
+    values = torch.randn(6, kv_heads, ctx + 1, dim, generator=gen)
+    slots, key_lens = cpu_attention.query_layout([4, 1, 0, 5], [70, 12, 0, 33], list(tokens_per_row))
+    return torch.randn(len(slots), heads, dim, generator=gen), keys, values, slots, key_lens
+
+
+@pytest.mark.skipif(cpu_attention._kernel(True) is None, reason="numba's threading layer is neither OpenMP nor TBB")
+def test_the_parallel_build_gives_the_serial_builds_bits():
+    """Each (token, KV head) item runs whole on one thread, so splitting the items over threads changes
+    no bit: a token's attention is the same at any thread count, alone or in any batch."""
+    import numba
+
+    q, keys, values, slots, key_lens = scattered_queries(3)
+    outs = []
+    for parallel, threads in ((False, 1), (True, 1), (True, numba.config.NUMBA_NUM_THREADS)):
+        numba.set_num_threads(threads)
+        out = torch.empty_like(q)
+        cpu_attention._kernel(parallel)(q.numpy(), keys.numpy(), values.numpy(), slots, key_lens,
+                                       np.float32(q.shape[-1] ** -0.5), out.numpy())
+        outs.append(out)
+    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    torch.testing.assert_close(outs[0].view(len(slots), -1), sdpa_per_token(q, keys, values, slots, key_lens),
+                               rtol=0, atol=1e-5)
+
+
+@pytest.mark.skipif(cpu_attention._kernel(True) is None, reason="numba's threading layer is neither OpenMP nor TBB")
+def test_attend_splits_items_over_threads_only_for_several_tokens_on_several_threads(monkeypatch):
+    """Two intra-op threads and two tokens or more: the parallel build; a lone decode token (only
+    KV-heads items), one thread or SPECDEC_CPU_ATTENTION=serial: the serial one. The same bits either way."""
+    builds = {parallel: cpu_attention._kernel(parallel) for parallel in (False, True)}
+    used = []
+
+    def recording(parallel=False):
+        return lambda *args: used.append(parallel) or builds[parallel](*args)
+
+    q, keys, values, slots, key_lens = scattered_queries(4)
+    serial = cpu_attention.attend(q, keys, values, slots, key_lens)
+    monkeypatch.setattr(cpu_attention, "_kernel", recording)
+    for threads, tokens, wanted in ((2, len(slots), True), (2, 1, False), (1, len(slots), False)):
+        monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+        got = cpu_attention.attend(q[:tokens], keys, values, slots[:tokens], key_lens[:tokens])
+        assert used[-1] is wanted
+        assert torch.equal(got, serial[:tokens])
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setenv("SPECDEC_CPU_ATTENTION", "serial")  # the A/B switch
+    assert torch.equal(cpu_attention.attend(q, keys, values, slots, key_lens), serial) and used[-1] is False

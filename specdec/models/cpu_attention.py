@@ -1,4 +1,4 @@
-"""Attention of decode and verify tokens on a CPU: one compiled loop per query token (numba).
+"""Attention of decode and verify tokens on a CPU: one compiled loop over (query token, KV head) items (numba).
 
 A batched CPU step of the default target (16 sessions, one decode token each, 200-400 keys) spent
 about 40 of its 114 ms in attention: PyTorch's SDPA kernel is built for long query blocks, and for a
@@ -14,6 +14,10 @@ and a token's result does not depend on what else is in the batch. The arithmeti
 the dot products and sums reassociated for vectorisation (fastmath without the approximate-function
 and finite-math flags): it differs from SDPA's in the last bits only (tests/test_cpu_attention.py).
 
+At two intra-op threads the parallel build splits the items over the threads (OpenMP: the workers
+that run PyTorch's products, which otherwise spin idle through the attention). A 16-session step of
+the default target on two cores: 40 -> 34.5 ms, every bit the same (round 48).
+
 numba compiles the loop when a model first asks for it (about a second; loaded from a disk cache,
 NUMBA_CACHE_DIR or ~/.cache/specdec/numba, in about 0.3 s after that). Without numba installed,
 available() is False and the model keeps SDPA.
@@ -24,6 +28,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import types
 
 import numpy as np
 import torch
@@ -33,64 +38,83 @@ log = logging.getLogger(__name__)
 # Rows longer than this (prefills) keep SDPA: a per-token loop re-reads the keys for every query,
 # where SDPA's blocked kernel reuses them across a long block.
 MAX_QUERY_TOKENS = 16
-# The loop runs on one thread. At two intra-op threads it still matched SDPA, which splits its work
-# across them (16 rows: 61 against 64 ms a step, round 30); with more threads SDPA is left to it.
+# Round 30's single-threaded loop matched SDPA at two intra-op threads (16 rows: 61 against 64 ms a
+# step), and its parallel build beats it there; above two threads (not measured here) SDPA keeps it.
 MAX_THREADS = 2
 # Vectorised sums need reassociation; no approximate exp, no assumption that values are finite.
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 
 
+try:
+    from numba import prange
+except ImportError:  # no numba: the loop is never compiled, and prange only has to exist
+    prange = range
+
+
+def _attend_items(q, keys, values, slots, key_lens, scale, out):  # pragma: no cover - compiled
+    # q [N, H, D]; keys/values [slots, KV, ctx + 1, D]; out [N, H, D]. One item is a query token and one
+    # KV head (the query heads that share it): all of its arithmetic on one thread, in one order, so
+    # its bits are the same in the serial and the parallel build and at any thread count.
+    tokens, heads, dim = q.shape
+    kv_heads = keys.shape[1]
+    groups = heads // kv_heads
+    for item in prange(tokens * kv_heads):  # the parallel build splits the items over the threads
+        t = item // kv_heads
+        kv = item - t * kv_heads
+        slot, length = slots[t], key_lens[t]
+        first = kv * groups  # query heads first .. first + groups - 1 read this KV head
+        scores = np.empty((groups, length), dtype=np.float32)
+        for pos in range(length):
+            for g in range(groups):
+                acc = np.float32(0.0)
+                for d in range(dim):
+                    acc += q[t, first + g, d] * keys[slot, kv, pos, d]
+                scores[g, pos] = acc * scale
+        for g in range(groups):
+            top = scores[g, 0]
+            for pos in range(1, length):
+                top = max(top, scores[g, pos])
+            total = np.float32(0.0)
+            for pos in range(length):
+                weight = np.exp(scores[g, pos] - top)
+                scores[g, pos] = weight
+                total += weight
+            for pos in range(length):
+                scores[g, pos] /= total
+            for d in range(dim):
+                out[t, first + g, d] = 0.0
+        for pos in range(length):
+            for g in range(groups):
+                weight = scores[g, pos]
+                for d in range(dim):
+                    out[t, first + g, d] += weight * values[slot, kv, pos, d]
+
+
 @functools.cache
-def _kernel():
+def _kernel(parallel: bool = False):
+    """_attend_items compiled (or loaded from the disk cache), or None without numba. parallel: the
+    items split over numba's threads; None unless numba's threading layer is OpenMP or TBB (with
+    OpenMP the items run on the same worker threads as PyTorch's products, which spin-wait for work
+    between them; its fallback, "workqueue", aborts when two threads launch parallel loops at once)."""
     try:
         os.environ.setdefault("NUMBA_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "specdec", "numba"))
         import numba
     except ImportError:
         return None
-
-    @numba.njit(nogil=True, cache=True, fastmath=FASTMATH, boundscheck=False)
-    def attend(q, keys, values, slots, key_lens, scale, out, scores):  # pragma: no cover - compiled
-        # q [N, H, D]; keys/values [slots, KV, ctx + 1, D]; out [N, H, D]; scores [G, ctx + 1] scratch
-        tokens, heads, dim = q.shape
-        kv_heads = keys.shape[1]
-        groups = heads // kv_heads
-        for t in range(tokens):
-            slot, length = slots[t], key_lens[t]
-            for kv in range(kv_heads):
-                first = kv * groups  # query heads first .. first + groups - 1 read this KV head
-                for pos in range(length):
-                    for g in range(groups):
-                        acc = np.float32(0.0)
-                        for d in range(dim):
-                            acc += q[t, first + g, d] * keys[slot, kv, pos, d]
-                        scores[g, pos] = acc * scale
-                for g in range(groups):
-                    top = scores[g, 0]
-                    for pos in range(1, length):
-                        top = max(top, scores[g, pos])
-                    total = np.float32(0.0)
-                    for pos in range(length):
-                        weight = np.exp(scores[g, pos] - top)
-                        scores[g, pos] = weight
-                        total += weight
-                    for pos in range(length):
-                        scores[g, pos] /= total
-                    for d in range(dim):
-                        out[t, first + g, d] = 0.0
-                for pos in range(length):
-                    for g in range(groups):
-                        weight = scores[g, pos]
-                        for d in range(dim):
-                            out[t, first + g, d] += weight * values[slot, kv, pos, d]
-
+    source = _attend_items
+    if parallel:  # a name of its own: numba's disk cache files a function's builds by its name, not its flags
+        source = types.FunctionType(_attend_items.__code__, _attend_items.__globals__, "_attend_items_parallel")
+        source.__qualname__ = "_attend_items_parallel"
+    attend = numba.njit(nogil=True, cache=True, fastmath=FASTMATH, boundscheck=False, parallel=parallel)(source)
     # Compile (or load from the disk cache) now, at model load, not in a session's first step.
     cache = np.zeros((1, 1, 2, 4), dtype=np.float32)
     try:
         attend(np.zeros((1, 1, 4), dtype=np.float32), cache, cache, np.zeros(1, dtype=np.int64),
-               np.ones(1, dtype=np.int64), np.float32(0.5), np.zeros((1, 1, 4), dtype=np.float32),
-               np.zeros((1, 2), dtype=np.float32))
+               np.ones(1, dtype=np.int64), np.float32(0.5), np.zeros((1, 1, 4), dtype=np.float32))
     except Exception as exc:  # noqa: BLE001 - a broken numba install must not stop a model loading
         log.warning("the compiled CPU attention did not compile (%r); attention stays on SDPA", exc)
+        return None
+    if parallel and numba.threading_layer() not in ("omp", "tbb"):
         return None
     return attend
 
@@ -100,15 +124,32 @@ def available() -> bool:
     return _kernel() is not None
 
 
+def prepare_parallel() -> bool:
+    """Compile the parallel build now (a model that will run forwards on more than one thread calls
+    this at load); False where there is none."""
+    return _kernel() is not None and _kernel(True) is not None
+
+
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: np.ndarray,
            key_lens: np.ndarray) -> torch.Tensor:
     """q [tokens, H, D] float32; keys/values [slots, KV, ctx + 1, D] (a layer of the cache); token i
-    attends to the first key_lens[i] keys of slot slots[i]. Returns [tokens, H * D]."""
+    attends to the first key_lens[i] keys of slot slots[i]. Returns [tokens, H * D].
+
+    At more than one intra-op thread, forwards of two tokens or more split their (token, KV head)
+    items over the threads (a lone decode token has only KV-heads items, too few to split evenly).
+    SPECDEC_CPU_ATTENTION=serial keeps every call on one thread (an A/B switch)."""
     tokens, heads, dim = q.shape
     q = q.contiguous()
     out = torch.empty(tokens, heads, dim, dtype=q.dtype)
-    scores = np.empty((heads // keys.shape[1], keys.shape[2]), dtype=np.float32)
-    _kernel()(q.numpy(), keys.numpy(), values.numpy(), slots, key_lens, np.float32(dim ** -0.5), out.numpy(), scores)
+    threads = torch.get_num_threads()
+    kernel = _kernel()
+    if (threads > 1 and tokens > 1 and os.environ.get("SPECDEC_CPU_ATTENTION") != "serial"
+            and _kernel(True) is not None):
+        import numba
+
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))  # per calling thread
+        kernel = _kernel(True)
+    kernel(q.numpy(), keys.numpy(), values.numpy(), slots, key_lens, np.float32(dim ** -0.5), out.numpy())
     return out.view(tokens, heads * dim)
 
 
