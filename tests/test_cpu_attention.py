@@ -101,13 +101,14 @@ def scattered_queries(seed, tokens_per_row=(1, 5, 1, 3), heads=9, kv_heads=3, di
     return torch.randn(len(slots), heads, dim, generator=gen), keys, values, slots, key_lens
 
 
-@pytest.mark.skipif(cpu_attention._kernel(True) is None, reason="numba's threading layer is neither OpenMP nor TBB")
-def test_the_parallel_build_gives_the_serial_builds_bits():
-    """Each (token, KV head) item runs whole on one thread, so splitting the items over threads changes
-    no bit: a token's attention is the same at any thread count, alone or in any batch."""
+@pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (6, 1, 16)])  # the default target's shape, and another
+def test_the_parallel_build_gives_the_serial_builds_bits(heads, kv_heads, dim):
+    """Each (token, KV head) item runs whole on one thread through one compiled function, so neither
+    the build nor the thread count changes a bit: a token's attention is the same in a decode step
+    (serial) and in a verify or a batch (parallel)."""
     import numba
 
-    q, keys, values, slots, key_lens = scattered_queries(3)
+    q, keys, values, slots, key_lens = scattered_queries(3, heads=heads, kv_heads=kv_heads, dim=dim)
     outs = []
     for parallel, threads in ((False, 1), (True, 1), (True, numba.config.NUMBA_NUM_THREADS)):
         numba.set_num_threads(threads)
@@ -121,7 +122,6 @@ def test_the_parallel_build_gives_the_serial_builds_bits():
                                rtol=0, atol=1e-5)
 
 
-@pytest.mark.skipif(cpu_attention._kernel(True) is None, reason="numba's threading layer is neither OpenMP nor TBB")
 def test_attend_splits_items_over_threads_only_for_several_tokens_on_several_threads(monkeypatch):
     """Two intra-op threads and two tokens or more: the parallel build; a lone decode token (only
     KV-heads items), one thread or SPECDEC_CPU_ATTENTION=serial: the serial one. The same bits either way."""

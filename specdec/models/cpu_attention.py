@@ -14,9 +14,11 @@ and a token's result does not depend on what else is in the batch. The arithmeti
 the dot products and sums reassociated for vectorisation (fastmath without the approximate-function
 and finite-math flags): it differs from SDPA's in the last bits only (tests/test_cpu_attention.py).
 
-At two intra-op threads the parallel build splits the items over the threads (OpenMP: the workers
-that run PyTorch's products, which otherwise spin idle through the attention). A 16-session step of
-the default target on two cores: 40 -> 34.5 ms, every bit the same (round 48).
+On more than one intra-op thread a parallel build splits the items over the calling thread's
+threads (OpenMP: the workers that run PyTorch's products, which otherwise spin idle through the
+attention). A 16-session step of the default target on two cores: 40 -> 34.5 ms (round 48). Both
+builds call one compiled function per item, so an item's bits depend neither on the build, the
+thread count nor the batch.
 
 numba compiles the loop when a model first asks for it (about a second; loaded from a disk cache,
 NUMBA_CACHE_DIR or ~/.cache/specdec/numba, in about 0.3 s after that). Without numba installed,
@@ -51,61 +53,81 @@ except ImportError:  # no numba: the loop is never compiled, and prange only has
     prange = range
 
 
+_item = None  # _attend_item compiled, called by both builds of _attend_items (set by _kernel)
+
+
+def _attend_item(q, keys, values, t, kv, slot, length, scale, out):  # pragma: no cover - compiled
+    # Query token t's heads that share KV head kv, over slot's first `length` keys. One compiled function
+    # for both builds of _attend_items: each build inlined and vectorised its own copy of this loop
+    # differently (outputs 1 ulp apart), and a token must get the same bits in every step.
+    groups = q.shape[1] // keys.shape[1]
+    dim = q.shape[2]
+    first = kv * groups  # query heads first .. first + groups - 1 read this KV head
+    scores = np.empty((groups, length), dtype=np.float32)
+    for pos in range(length):
+        for g in range(groups):
+            acc = np.float32(0.0)
+            for d in range(dim):
+                acc += q[t, first + g, d] * keys[slot, kv, pos, d]
+            scores[g, pos] = acc * scale
+    for g in range(groups):
+        top = scores[g, 0]
+        for pos in range(1, length):
+            top = max(top, scores[g, pos])
+        total = np.float32(0.0)
+        for pos in range(length):
+            weight = np.exp(scores[g, pos] - top)
+            scores[g, pos] = weight
+            total += weight
+        for pos in range(length):
+            scores[g, pos] /= total
+        for d in range(dim):
+            out[t, first + g, d] = 0.0
+    for pos in range(length):
+        for g in range(groups):
+            weight = scores[g, pos]
+            for d in range(dim):
+                out[t, first + g, d] += weight * values[slot, kv, pos, d]
+
+
 def _attend_items(q, keys, values, slots, key_lens, scale, out):  # pragma: no cover - compiled
     # q [N, H, D]; keys/values [slots, KV, ctx + 1, D]; out [N, H, D]. One item is a query token and one
-    # KV head (the query heads that share it): all of its arithmetic on one thread, in one order, so
-    # its bits are the same in the serial and the parallel build and at any thread count.
-    tokens, heads, dim = q.shape
+    # KV head (the query heads that share it), all of its arithmetic on one thread in one order: its
+    # bits do not depend on the thread count or on the other items.
     kv_heads = keys.shape[1]
-    groups = heads // kv_heads
-    for item in prange(tokens * kv_heads):  # the parallel build splits the items over the threads
+    for item in prange(q.shape[0] * kv_heads):  # the parallel build splits the items over the threads
         t = item // kv_heads
-        kv = item - t * kv_heads
-        slot, length = slots[t], key_lens[t]
-        first = kv * groups  # query heads first .. first + groups - 1 read this KV head
-        scores = np.empty((groups, length), dtype=np.float32)
-        for pos in range(length):
-            for g in range(groups):
-                acc = np.float32(0.0)
-                for d in range(dim):
-                    acc += q[t, first + g, d] * keys[slot, kv, pos, d]
-                scores[g, pos] = acc * scale
-        for g in range(groups):
-            top = scores[g, 0]
-            for pos in range(1, length):
-                top = max(top, scores[g, pos])
-            total = np.float32(0.0)
-            for pos in range(length):
-                weight = np.exp(scores[g, pos] - top)
-                scores[g, pos] = weight
-                total += weight
-            for pos in range(length):
-                scores[g, pos] /= total
-            for d in range(dim):
-                out[t, first + g, d] = 0.0
-        for pos in range(length):
-            for g in range(groups):
-                weight = scores[g, pos]
-                for d in range(dim):
-                    out[t, first + g, d] += weight * values[slot, kv, pos, d]
+        _item(q, keys, values, t, item - t * kv_heads, slots[t], key_lens[t], scale, out)
 
 
 @functools.cache
 def _kernel(parallel: bool = False):
     """_attend_items compiled (or loaded from the disk cache), or None without numba. parallel: the
-    items split over numba's threads; None unless numba's threading layer is OpenMP or TBB (with
-    OpenMP the items run on the same worker threads as PyTorch's products, which spin-wait for work
-    between them; its fallback, "workqueue", aborts when two threads launch parallel loops at once)."""
+    build that splits the items over numba's threads, compiled for the serial build's argument types
+    but not run (see parallel_layer_ready)."""
     try:
         os.environ.setdefault("NUMBA_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "specdec", "numba"))
         import numba
     except ImportError:
         return None
-    source = _attend_items
-    if parallel:  # a name of its own: numba's disk cache files a function's builds by its name, not its flags
+    if parallel:
+        serial = _kernel()
+        if serial is None:
+            return None
+        # A name of its own: numba's disk cache files a function's builds by its name, not its flags.
         source = types.FunctionType(_attend_items.__code__, _attend_items.__globals__, "_attend_items_parallel")
         source.__qualname__ = "_attend_items_parallel"
-    attend = numba.njit(nogil=True, cache=True, fastmath=FASTMATH, boundscheck=False, parallel=parallel)(source)
+        build = numba.njit(nogil=True, cache=True, fastmath=FASTMATH, boundscheck=False, parallel=True)(source)
+        try:
+            for signature in serial.signatures:
+                build.compile(signature)
+        except Exception as exc:  # noqa: BLE001 - a broken numba install must not stop a model loading
+            log.warning("the compiled CPU attention's parallel build did not compile (%r)", exc)
+            return None
+        return build
+    global _item
+    _item = numba.njit(nogil=True, cache=True, fastmath=FASTMATH, boundscheck=False)(_attend_item)
+    attend = numba.njit(nogil=True, cache=True, fastmath=FASTMATH, boundscheck=False)(_attend_items)
     # Compile (or load from the disk cache) now, at model load, not in a session's first step.
     cache = np.zeros((1, 1, 2, 4), dtype=np.float32)
     try:
@@ -114,9 +136,25 @@ def _kernel(parallel: bool = False):
     except Exception as exc:  # noqa: BLE001 - a broken numba install must not stop a model loading
         log.warning("the compiled CPU attention did not compile (%r); attention stays on SDPA", exc)
         return None
-    if parallel and numba.threading_layer() not in ("omp", "tbb"):
-        return None
     return attend
+
+
+@functools.cache
+def parallel_layer_ready() -> bool:
+    """Start numba's threading layer on the calling thread, once; True if it is OpenMP or TBB.
+
+    Call it only from the thread that runs the model's forwards. With OpenMP, a parallel loop run on
+    another thread (the one that loads the model) would leave a team of its own in the process beside
+    the model thread's, and with more OpenMP threads than cores libgomp stops spin-waiting between
+    parallel regions: every product of a forward then pays a thread wake-up (a one-token step of the
+    default target in its service went from 15 to 23 ms). On the model thread numba's loops run on
+    the workers of PyTorch's products. The fallback layer, "workqueue", aborts when two threads
+    launch parallel loops at once, and a service may run models on more than one thread: no parallel
+    builds then."""
+    import numba
+
+    numba.get_num_threads()  # launches the layer
+    return numba.threading_layer() in ("omp", "tbb")
 
 
 def available() -> bool:
@@ -126,7 +164,8 @@ def available() -> bool:
 
 def prepare_parallel() -> bool:
     """Compile the parallel build now (a model that will run forwards on more than one thread calls
-    this at load); False where there is none."""
+    this at load; nothing runs, so numba's threads do not start on the loading thread); False where
+    there is none."""
     return _kernel() is not None and _kernel(True) is not None
 
 
@@ -135,16 +174,17 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: np.
     """q [tokens, H, D] float32; keys/values [slots, KV, ctx + 1, D] (a layer of the cache); token i
     attends to the first key_lens[i] keys of slot slots[i]. Returns [tokens, H * D].
 
-    At more than one intra-op thread, forwards of two tokens or more split their (token, KV head)
-    items over the threads (a lone decode token has only KV-heads items, too few to split evenly).
-    SPECDEC_CPU_ATTENTION=serial keeps every call on one thread (an A/B switch)."""
+    On more than one intra-op thread, forwards of two tokens or more go through the parallel build (a
+    lone decode token has only KV-heads items, too few to split evenly; the build's launch costs about
+    0.3 ms a step); the bits are the same either way. SPECDEC_CPU_ATTENTION=serial keeps the serial
+    build (an A/B switch)."""
     tokens, heads, dim = q.shape
     q = q.contiguous()
     out = torch.empty(tokens, heads, dim, dtype=q.dtype)
     threads = torch.get_num_threads()
     kernel = _kernel()
     if (threads > 1 and tokens > 1 and os.environ.get("SPECDEC_CPU_ATTENTION") != "serial"
-            and _kernel(True) is not None):
+            and _kernel(True) is not None and parallel_layer_ready()):
         import numba
 
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))  # per calling thread

@@ -40,6 +40,8 @@ MAX_TOKENS = 16
 # From this many tokens in one call _linear_loop works in blocks (a 16-row draft step: 20% faster).
 BLOCKED_FROM = 8
 _attend = None  # cpu_attention's compiled loop, called from _forward_loop (set by _kernel)
+# numba's disk cache keys _forward_loop on this file alone: a change to cpu_attention's loop is only
+# picked up here once this file changes too (or NUMBA_CACHE_DIR is cleared).
 _linear = None  # _linear_loop compiled
 _rms_norm = None  # _rms_norm_loop compiled
 
@@ -126,7 +128,6 @@ def _forward_loop(tokens, slots, key_lens, logit_rows, embed, attn_norm, wqkv, w
     attn = np.empty((n_tokens, heads, dim), dtype=np.float32)
     gate_up = np.empty((n_tokens, 2 * inter), dtype=np.float32)
     act = np.empty((n_tokens, inter), dtype=np.float32)
-    scores = np.empty((heads // kv_heads, kv.shape[4]), dtype=np.float32)
     scale = np.float32(dim ** -0.5)
     for layer in range(wqkv.shape[0]):
         _rms_norm(x, attn_norm[layer], eps, h)
@@ -146,7 +147,7 @@ def _forward_loop(tokens, slots, key_lens, logit_rows, embed, attn_norm, wqkv, w
                 base = (heads + kv_heads + kv_head) * dim
                 for d in range(dim):
                     kv[layer, 1, slots[n], kv_head, p, d] = qkv[n, base + d]
-        _attend(q, kv[layer, 0], kv[layer, 1], slots, key_lens, scale, attn, scores)
+        _attend(q, kv[layer, 0], kv[layer, 1], slots, key_lens, scale, attn)
         _linear(attn.reshape((n_tokens, heads * dim)), wo[layer], x, True)
         _rms_norm(x, mlp_norm[layer], eps, h)
         _linear(h, w_gate_up[layer], gate_up, False)

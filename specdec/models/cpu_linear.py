@@ -79,10 +79,12 @@ def _rows_loop(x, w, out, accumulate):  # pragma: no cover - compiled
 @functools.cache
 def _kernel(parallel: bool = False):
     """_rows_loop compiled (or loaded from numba's disk cache), or None without numba. parallel: the
-    weight's rows split over numba's threads; None unless numba's threading layer is OpenMP or TBB
-    (its fallback, "workqueue", aborts when two threads launch parallel loops at once, and a service
-    runs models on more than one thread)."""
+    build that splits the weight's rows over numba's threads, compiled for the serial build's argument
+    types but not run here (cpu_attention.parallel_layer_ready says why)."""
     if cpu_attention._kernel() is None:  # numba missing or broken; also sets its cache directory
+        return None
+    serial = _kernel() if parallel else None
+    if parallel and serial is None:
         return None
     import numba
 
@@ -94,11 +96,13 @@ def _kernel(parallel: bool = False):
                       parallel=parallel)(source)
     ones = np.ones((1, 4), dtype=np.float32)
     try:
-        loop(ones, ones, np.empty((1, 1), np.float32), False)  # compile now, at model load
+        if parallel:
+            for signature in serial.signatures:
+                loop.compile(signature)
+        else:
+            loop(ones, ones, np.empty((1, 1), np.float32), False)  # compile now, at model load
     except Exception as exc:  # noqa: BLE001 - a broken numba install must not stop a model loading
         log.warning("the compiled linear loop did not compile (%r)", exc)
-        return None
-    if parallel and numba.threading_layer() not in ("omp", "tbb"):
         return None
     return loop
 
@@ -109,11 +113,12 @@ def available(threads: int = 1) -> bool:
 
 
 def _run(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, accumulate: bool, threads: int) -> None:
-    if threads > 1:
+    parallel = threads > 1 and cpu_attention.parallel_layer_ready()  # else the serial build: the same bits
+    if parallel:
         import numba
 
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))  # per calling thread
-    _kernel(threads > 1)(x.contiguous().numpy(), w.numpy(), out.numpy(), accumulate)
+    _kernel(parallel)(x.contiguous().numpy(), w.numpy(), out.numpy(), accumulate)
 
 
 def product(x: torch.Tensor, w: torch.Tensor, threads: int = 1) -> torch.Tensor:

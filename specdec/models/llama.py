@@ -145,7 +145,7 @@ class LlamaModel:
         self.compiled_attention = (self.device.type == "cpu" and self.dtype == torch.float32
                                    and os.environ.get("SPECDEC_CPU_ATTENTION", "auto") != "sdpa"
                                    and cpu_attention.available())
-        if self.compiled_attention and max(torch.get_num_threads(), step_threads.wide if step_threads else 1) > 1:
+        if self.compiled_attention and max(torch.get_num_threads(), self.step_threads.wide if self.step_threads else 1) > 1:
             cpu_attention.prepare_parallel()  # its build compiles now, not in a session's first wide step
         # Half precision on CUDA: RMSNorm as one fused kernel (normalise in float32 inside it, scale, round
         # once) instead of four (cast, normalise, cast back, scale): a decode step is mostly small
