@@ -16,9 +16,11 @@ and finite-math flags): it differs from SDPA's in the last bits only (tests/test
 
 On more than one intra-op thread a parallel build splits the items over the calling thread's
 threads (OpenMP: the workers that run PyTorch's products, which otherwise spin idle through the
-attention). A 16-session step of the default target on two cores: 40 -> 34.5 ms (round 48). Both
-builds call one compiled function per item, so an item's bits depend neither on the build, the
-thread count nor the batch.
+attention). A 16-session step of the default target on two cores: 40 -> 34.5 ms (round 48). In
+the parallel build an item's bits do not depend on the thread count or the batch. Both builds call
+one compiled function per item and in every check here gave the same bits, but LLVM may re-optimise
+it where it inlines it, so the two are only promised to agree to float32 rounding: a batch-invariant
+model (whose one-token steps must give a verify's bits) keeps the serial build (attend's split).
 
 numba compiles the loop when a model first asks for it (about a second; loaded from a disk cache,
 NUMBA_CACHE_DIR or ~/.cache/specdec/numba, in about 0.3 s after that). Without numba installed,
@@ -58,8 +60,8 @@ _item = None  # _attend_item compiled, called by both builds of _attend_items (s
 
 def _attend_item(q, keys, values, t, kv, slot, length, scale, out):  # pragma: no cover - compiled
     # Query token t's heads that share KV head kv, over slot's first `length` keys. One compiled function
-    # for both builds of _attend_items: each build inlined and vectorised its own copy of this loop
-    # differently (outputs 1 ulp apart), and a token must get the same bits in every step.
+    # for both builds of _attend_items: with the loop written into each, the two vectorised it
+    # differently (outputs 1 ulp apart).
     groups = q.shape[1] // keys.shape[1]
     dim = q.shape[2]
     first = kv * groups  # query heads first .. first + groups - 1 read this KV head
@@ -118,13 +120,7 @@ def _kernel(parallel: bool = False):
         source = types.FunctionType(_attend_items.__code__, _attend_items.__globals__, "_attend_items_parallel")
         source.__qualname__ = "_attend_items_parallel"
         build = numba.njit(nogil=True, cache=True, fastmath=FASTMATH, boundscheck=False, parallel=True)(source)
-        try:
-            for signature in serial.signatures:
-                build.compile(signature)
-        except Exception as exc:  # noqa: BLE001 - a broken numba install must not stop a model loading
-            log.warning("the compiled CPU attention's parallel build did not compile (%r)", exc)
-            return None
-        return build
+        return build if compile_parallel(build, serial.signatures, "the compiled CPU attention") else None
     global _item
     _item = numba.njit(nogil=True, cache=True, fastmath=FASTMATH, boundscheck=False)(_attend_item)
     attend = numba.njit(nogil=True, cache=True, fastmath=FASTMATH, boundscheck=False)(_attend_items)
@@ -137,6 +133,24 @@ def _kernel(parallel: bool = False):
         log.warning("the compiled CPU attention did not compile (%r); attention stays on SDPA", exc)
         return None
     return attend
+
+
+def compile_parallel(build, signatures, what: str) -> bool:
+    """Compile a parallel build for these argument types without running it. Compiling starts numba's
+    threading layer, which with OpenMP sets the calling thread's thread count to numba's: PyTorch's
+    count is put back, or this (loading) thread's next products (a hosted draft's calibration) would
+    start a team of their own (parallel_layer_ready says what that costs)."""
+    threads = torch.get_num_threads()
+    try:
+        for signature in signatures:
+            build.compile(signature)
+    except Exception as exc:  # noqa: BLE001 - a broken numba install must not stop a model loading
+        log.warning("%s's parallel build did not compile (%r)", what, exc)
+        return False
+    finally:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+    return True
 
 
 @functools.cache
@@ -170,20 +184,20 @@ def prepare_parallel() -> bool:
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: np.ndarray,
-           key_lens: np.ndarray) -> torch.Tensor:
+           key_lens: np.ndarray, split: bool = True) -> torch.Tensor:
     """q [tokens, H, D] float32; keys/values [slots, KV, ctx + 1, D] (a layer of the cache); token i
     attends to the first key_lens[i] keys of slot slots[i]. Returns [tokens, H * D].
 
-    On more than one intra-op thread, forwards of two tokens or more go through the parallel build (a
-    lone decode token has only KV-heads items, too few to split evenly; the build's launch costs about
-    0.3 ms a step); the bits are the same either way. SPECDEC_CPU_ATTENTION=serial keeps the serial
-    build (an A/B switch)."""
+    split: on more than one intra-op thread, forwards of two tokens or more go through the parallel
+    build (a lone decode token has only KV-heads items, too few to split evenly; the build's launch
+    costs about 0.3 ms a step). False: always the serial build. SPECDEC_CPU_ATTENTION=serial keeps the
+    serial build (an A/B switch)."""
     tokens, heads, dim = q.shape
     q = q.contiguous()
     out = torch.empty(tokens, heads, dim, dtype=q.dtype)
     threads = torch.get_num_threads()
     kernel = _kernel()
-    if (threads > 1 and tokens > 1 and os.environ.get("SPECDEC_CPU_ATTENTION") != "serial"
+    if (split and threads > 1 and tokens > 1 and os.environ.get("SPECDEC_CPU_ATTENTION") != "serial"
             and _kernel(True) is not None and parallel_layer_ready()):
         import numba
 

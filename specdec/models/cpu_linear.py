@@ -94,13 +94,11 @@ def _kernel(parallel: bool = False):
         source.__qualname__ = "_rows_loop_parallel"
     loop = numba.njit(nogil=True, cache=True, fastmath=cpu_attention.FASTMATH, boundscheck=False,
                       parallel=parallel)(source)
+    if parallel:
+        return loop if cpu_attention.compile_parallel(loop, serial.signatures, "the compiled linear loop") else None
     ones = np.ones((1, 4), dtype=np.float32)
     try:
-        if parallel:
-            for signature in serial.signatures:
-                loop.compile(signature)
-        else:
-            loop(ones, ones, np.empty((1, 1), np.float32), False)  # compile now, at model load
+        loop(ones, ones, np.empty((1, 1), np.float32), False)  # compile now, at model load
     except Exception as exc:  # noqa: BLE001 - a broken numba install must not stop a model loading
         log.warning("the compiled linear loop did not compile (%r)", exc)
         return None

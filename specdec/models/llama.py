@@ -145,8 +145,11 @@ class LlamaModel:
         self.compiled_attention = (self.device.type == "cpu" and self.dtype == torch.float32
                                    and os.environ.get("SPECDEC_CPU_ATTENTION", "auto") != "sdpa"
                                    and cpu_attention.available())
-        if self.compiled_attention and max(torch.get_num_threads(), self.step_threads.wide if self.step_threads else 1) > 1:
-            cpu_attention.prepare_parallel()  # its build compiles now, not in a session's first wide step
+        # Forwards on more than one thread split their attention over the threads, but not batch-invariant
+        # ones: the two builds only promise to agree to float32 rounding (cpu_attention.py).
+        self.split_attention = (self.compiled_attention and not batch_invariant
+                                and max(torch.get_num_threads(), self.step_threads.wide if self.step_threads else 1) > 1
+                                and cpu_attention.prepare_parallel())  # compiled now, not in a session's first step
         # Half precision on CUDA: RMSNorm as one fused kernel (normalise in float32 inside it, scale, round
         # once) instead of four (cast, normalise, cast back, scale): a decode step is mostly small
         # kernels at a few microseconds each. It rounds once where transformers rounds twice.
@@ -341,8 +344,10 @@ class LlamaModel:
         values.view(-1, head_dim).index_copy_(0, b.write_index, qkv[:, heads + kv_heads :].reshape(-1, head_dim))
         q = qk[:, :heads]  # [tokens, H, D]
         if b.query_key_lens is not None:
-            attend = cpu_attention.attend if self.compiled_attention else attention_per_token
-            out = attend(q, keys, values, b.query_slots, b.query_key_lens)  # [tokens, H * D]
+            if self.compiled_attention:
+                out = cpu_attention.attend(q, keys, values, b.query_slots, b.query_key_lens, self.split_attention)
+            else:
+                out = attention_per_token(q, keys, values, b.query_slots, b.query_key_lens)  # [tokens, H * D]
         elif self.attend_in_place and b.slots and (b.slot_index is not None or b.packed_index is not None):
             out = attention_in_place(q, keys, values, b)  # [tokens, H * D]
         else:
