@@ -7,6 +7,7 @@ module only takes directories, so it never touches the network.
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 from specdec.errors import InvalidArgument
@@ -84,6 +85,41 @@ def load_model(
     step_threads (native, CPU): a specdec.models.step_threads.StepThreads, intra-op threads by a forward's
     token count; ignored by the HF backend.
     """
+    if str(device).startswith("cpu"):
+        # On a thread of its own, which ends with the load: a load runs products on several threads
+        # (the kernel calibration, a hosted draft's), and the OpenMP team that starts on the loading
+        # thread outlives the load. A service's forwards run on another thread (its model thread),
+        # whose team then makes more OpenMP threads than cores, and libgomp stops spin-waiting between
+        # products: at OMP_NUM_THREADS=2 the default target's one-token step took 20-21 ms against
+        # 14-15.5 ms loaded on the thread that runs it (round 48). A team ends with its thread.
+        return on_own_thread(lambda: _load(path, backend, device, dtype, num_slots, max_context, kv_budget_bytes,
+                                           name, head_vocab, cuda_graphs, compile_layers, graph_warmup_context,
+                                           fused_decode, batch_invariant, batch_invariant_rows, step_threads))
+    return _load(path, backend, device, dtype, num_slots, max_context, kv_budget_bytes, name, head_vocab,
+                 cuda_graphs, compile_layers, graph_warmup_context, fused_decode, batch_invariant,
+                 batch_invariant_rows, step_threads)
+
+
+def on_own_thread(build):
+    """build() on a new thread, which ends when it returns; its result or its exception."""
+    outcome = {}
+
+    def run():
+        try:
+            outcome["value"] = build()
+        except BaseException as exc:  # noqa: BLE001 - raised again on the caller's thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, name="specdec-load")
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def _load(path, backend, device, dtype, num_slots, max_context, kv_budget_bytes, name, head_vocab, cuda_graphs,
+          compile_layers, graph_warmup_context, fused_decode, batch_invariant, batch_invariant_rows, step_threads):
     path = Path(path)
     apply_matmul_reductions()
     if backend not in BACKENDS:
