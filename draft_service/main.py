@@ -158,7 +158,7 @@ def build_engine(settings: DraftServiceSettings):
     else:
         import torch
 
-        from specdec.models.loader import load_model
+        from specdec.models.loader import load_model, on_own_thread
         from specdec.proposers.copy_guess import CopyRule
         from specdec.proposers.draft_model import DraftModelProposer
 
@@ -170,8 +170,10 @@ def build_engine(settings: DraftServiceSettings):
                            compile_layers=settings.compile_layers, graph_warmup_context=settings.graph_warmup_context,
                            fused_decode=True, batch_invariant=settings.batch_invariant,
                            batch_invariant_rows=settings.batch_invariant_rows)
-        proposer = DraftModelProposer(model, top_m=settings.top_m, copy=CopyRule(settings.copy_below),
-                                      evict_after_s=settings.evict_after_s)
+        # On a thread that ends with it, as the model's load (loader.on_own_thread says why).
+        proposer = on_own_thread(lambda: DraftModelProposer(model, top_m=settings.top_m,
+                                                            copy=CopyRule(settings.copy_below),
+                                                            evict_after_s=settings.evict_after_s))
         info, top_m = model.info, settings.top_m
     engine = DraftEngine(proposer, idle_ttl_s=settings.session_ttl_s, max_draft_tokens=settings.max_draft_tokens)
     if settings.test_delay_ms > 0:  # begin_propose: every Propose passes it, batched or not

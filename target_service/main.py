@@ -205,7 +205,7 @@ def run(settings: TargetServiceSettings, adapt_inner_draft=None) -> int:
     import torch
 
     from specdec.engine.target import TargetEngine
-    from specdec.models.loader import load_model
+    from specdec.models.loader import load_model, on_own_thread
     from specdec.models.registry import resolve_model
     from specdec.models.step_threads import policy_for
 
@@ -228,7 +228,9 @@ def run(settings: TargetServiceSettings, adapt_inner_draft=None) -> int:
     engine = TargetEngine(model, idle_ttl_s=settings.session_ttl_s, fault_injection=settings.test_fault,
                           evict_after_s=settings.evict_after_s)
     tokenizer = tokenizer_facts(model_dir)
-    inner_draft = load_inner_draft(settings, tokenizer) if settings.inner_draft else None
+    # Built on a thread that ends with it (loader.on_own_thread says why): the hosted draft's engine runs
+    # products on the process's threads, and a team left on this thread slowed the target's steps by a third.
+    inner_draft = on_own_thread(lambda: load_inner_draft(settings, tokenizer)) if settings.inner_draft else None
     if inner_draft is not None and adapt_inner_draft is not None:
         inner_draft = adapt_inner_draft(inner_draft)
     return service.run_traced(settings.server,
