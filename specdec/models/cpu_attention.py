@@ -10,7 +10,7 @@ vectorised: 20 ms for the same step's 30 layers (docs/BENCHMARKS.md, round 30).
 
 Each query token is attended on its own, over its slot's keys up to its own position (key_lens), so a
 verify row's causal mask is just each token's length, rows may come from any slots in any order,
-and a token's result does not depend on what else is in the batch. The arithmetic is float32 with
+and within one build a token's result does not depend on what else is in the batch. The arithmetic is float32 with
 the dot products and sums reassociated for vectorisation (fastmath without the approximate-function
 and finite-math flags): it differs from SDPA's in the last bits only (tests/test_cpu_attention.py).
 
