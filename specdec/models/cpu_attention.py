@@ -15,8 +15,8 @@ the dot products and sums reassociated for vectorisation (fastmath without the a
 and finite-math flags): it differs from SDPA's in the last bits only (tests/test_cpu_attention.py).
 
 On more than one intra-op thread a parallel build splits the items over the calling thread's
-threads (OpenMP: the workers that run PyTorch's products, which otherwise spin idle through the
-attention). A 16-session step of the default target on two cores: 40 -> 34.5 ms (round 48). In
+threads (numba's OpenMP layer, which links the system's libgomp: a runtime and a worker of its own
+beside the one PyTorch bundles, while PyTorch's worker would spin idle through the attention). A 16-session step of the default target on two cores: 40 -> 34.5 ms (round 48). In
 the parallel build an item's bits do not depend on the thread count or the batch. Both builds call
 one compiled function per item and in every check here gave the same bits, but LLVM may re-optimise
 it where it inlines it, so the two are only promised to agree to float32 rounding: a batch-invariant
@@ -137,9 +137,10 @@ def _kernel(parallel: bool = False):
 
 def compile_parallel(build, signatures, what: str) -> bool:
     """Compile a parallel build for these argument types without running it. Compiling starts numba's
-    threading layer, which with OpenMP sets the calling thread's thread count to numba's: PyTorch's
-    count is put back, or this (loading) thread's next products (a hosted draft's calibration) would
-    start a team of their own (parallel_layer_ready says what that costs)."""
+    threading layer, which set the calling thread's PyTorch thread count to numba's: it is put back,
+    or this (loading) thread's next products (a hosted draft's calibration) would run on two threads
+    and leave a team here (in round 48 that slowed the target's one-token step in its service from
+    15 to 23 ms; loader.on_own_thread says why)."""
     threads = torch.get_num_threads()
     try:
         for signature in signatures:
@@ -157,14 +158,12 @@ def compile_parallel(build, signatures, what: str) -> bool:
 def parallel_layer_ready() -> bool:
     """Start numba's threading layer on the calling thread, once; True if it is OpenMP or TBB.
 
-    Call it only from the thread that runs the model's forwards. With OpenMP, a parallel loop run on
-    another thread (the one that loads the model) would leave a team of its own in the process beside
-    the model thread's, and with more OpenMP threads than cores libgomp stops spin-waiting between
-    parallel regions: every product of a forward then pays a thread wake-up (a one-token step of the
-    default target in its service went from 15 to 23 ms). On the model thread numba's loops run on
-    the workers of PyTorch's products. The fallback layer, "workqueue", aborts when two threads
-    launch parallel loops at once, and a service may run models on more than one thread: no parallel
-    builds then."""
+    Call it only from the thread that runs the model's forwards. An OpenMP team lives as long as the
+    thread that started it, and with more OpenMP threads than cores libgomp stops spin-waiting between
+    parallel regions (loader.on_own_thread); started on the loading thread, numba's team would stay
+    there beside the model thread's. The fallback layer, "workqueue", aborts when two threads launch
+    parallel loops at once, and a service may run models on more than one thread: no parallel builds
+    then."""
     import numba
 
     numba.get_num_threads()  # launches the layer
