@@ -6,6 +6,7 @@ module only takes directories, so it never touches the network.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from pathlib import Path
@@ -85,19 +86,16 @@ def load_model(
     step_threads (native, CPU): a specdec.models.step_threads.StepThreads, intra-op threads by a forward's
     token count; ignored by the HF backend.
     """
-    if str(device).startswith("cpu"):
-        # On a thread of its own, which ends with the load: a load runs products on several threads
-        # (the kernel calibration, a hosted draft's), and the OpenMP team that starts on the loading
-        # thread outlives the load. A service's forwards run on another thread (its model thread),
-        # whose team then makes more OpenMP threads than cores, and libgomp stops spin-waiting between
-        # products: at OMP_NUM_THREADS=2 the default target's one-token step took 20-21 ms against
-        # 14-15.5 ms loaded on the thread that runs it (round 48). A team ends with its thread.
-        return on_own_thread(lambda: _load(path, backend, device, dtype, num_slots, max_context, kv_budget_bytes,
-                                           name, head_vocab, cuda_graphs, compile_layers, graph_warmup_context,
-                                           fused_decode, batch_invariant, batch_invariant_rows, step_threads))
-    return _load(path, backend, device, dtype, num_slots, max_context, kv_budget_bytes, name, head_vocab,
-                 cuda_graphs, compile_layers, graph_warmup_context, fused_decode, batch_invariant,
-                 batch_invariant_rows, step_threads)
+    build = functools.partial(_load, path, backend, device, dtype, num_slots, max_context, kv_budget_bytes, name,
+                              head_vocab, cuda_graphs, compile_layers, graph_warmup_context, fused_decode,
+                              batch_invariant, batch_invariant_rows, step_threads)
+    # On a CPU, on a thread of its own, which ends with the load: a load runs products on several
+    # threads (the kernel calibration, a hosted draft's), and the OpenMP team that starts on the loading
+    # thread outlives the load. A service's forwards run on another thread (its model thread), whose
+    # team then makes more OpenMP threads than cores, and libgomp stops spin-waiting between products:
+    # at OMP_NUM_THREADS=2 the default target's one-token step took 20-21 ms against 14-15.5 ms loaded
+    # on the thread that runs it (round 48). A team ends with its thread.
+    return on_own_thread(build) if str(device).startswith("cpu") else build()
 
 
 def on_own_thread(build):
