@@ -173,7 +173,8 @@ def build_engine(settings: DraftServiceSettings):
         # On a thread that ends with it, as the model's load (loader.on_own_thread says why).
         proposer = on_own_thread(lambda: DraftModelProposer(model, top_m=settings.top_m,
                                                             copy=CopyRule(settings.copy_below),
-                                                            evict_after_s=settings.evict_after_s))
+                                                            evict_after_s=settings.evict_after_s),
+                                 settings.device)
         info, top_m = model.info, settings.top_m
     engine = DraftEngine(proposer, idle_ttl_s=settings.session_ttl_s, max_draft_tokens=settings.max_draft_tokens)
     if settings.test_delay_ms > 0:  # begin_propose: every Propose passes it, batched or not

@@ -230,7 +230,8 @@ def run(settings: TargetServiceSettings, adapt_inner_draft=None) -> int:
     tokenizer = tokenizer_facts(model_dir)
     # Built on a thread that ends with it (loader.on_own_thread says why): the hosted draft's engine runs
     # products on the process's threads, and a team left on this thread slowed the target's steps by a third.
-    inner_draft = on_own_thread(lambda: load_inner_draft(settings, tokenizer)) if settings.inner_draft else None
+    inner_draft = on_own_thread(lambda: load_inner_draft(settings, tokenizer), settings.device) \
+        if settings.inner_draft else None
     if inner_draft is not None and adapt_inner_draft is not None:
         inner_draft = adapt_inner_draft(inner_draft)
     return service.run_traced(settings.server,

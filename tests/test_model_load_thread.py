@@ -17,7 +17,7 @@ from specdec.models.loader import on_own_thread
 def tasks(): return len(os.listdir("/proc/self/task"))
 a = torch.randn(512, 512)
 start = tasks()
-on_own_thread(lambda: [a @ a for _ in range(20)])
+on_own_thread(lambda: [a @ a for _ in range(20)], "cpu")
 for _ in range(200):  # the thread and its team's worker end just after join() returns
     if tasks() == start:
         break
@@ -40,13 +40,14 @@ def test_an_openmp_team_ends_with_the_thread_that_started_it():
 
 def test_on_own_thread_returns_the_result_or_raises_the_error():
     caller = threading.get_ident()
-    assert loader.on_own_thread(lambda: threading.get_ident()) != caller
+    assert loader.on_own_thread(lambda: threading.get_ident(), "cpu") != caller
+    assert loader.on_own_thread(lambda: threading.get_ident(), "cuda") == caller
 
     def broken():
         raise ValueError("no such model")
 
     with pytest.raises(ValueError, match="no such model"):
-        loader.on_own_thread(broken)
+        loader.on_own_thread(broken, "cpu")
 
 
 def test_a_cpu_model_loads_on_another_thread_and_serves_on_this_one(tmp_path, monkeypatch):

@@ -113,14 +113,7 @@ def _kernel(parallel: bool = False):
     except ImportError:
         return None
     if parallel:
-        serial = _kernel()
-        if serial is None:
-            return None
-        # A name of its own: numba's disk cache files a function's builds by its name, not its flags.
-        source = types.FunctionType(_attend_items.__code__, _attend_items.__globals__, "_attend_items_parallel")
-        source.__qualname__ = "_attend_items_parallel"
-        build = numba.njit(nogil=True, cache=True, fastmath=FASTMATH, boundscheck=False, parallel=True)(source)
-        return build if compile_parallel(build, serial.signatures, "the compiled CPU attention") else None
+        return parallel_build(_attend_items, _kernel(), "the compiled CPU attention")
     global _item
     _item = numba.njit(nogil=True, cache=True, fastmath=FASTMATH, boundscheck=False)(_attend_item)
     attend = numba.njit(nogil=True, cache=True, fastmath=FASTMATH, boundscheck=False)(_attend_items)
@@ -135,23 +128,33 @@ def _kernel(parallel: bool = False):
     return attend
 
 
-def compile_parallel(build, signatures, what: str) -> bool:
-    """Compile a parallel build for these argument types without running it. Compiling starts numba's
+def parallel_build(source, serial, what: str):
+    """The parallel build of a loop whose serial build is `serial` (None: none either), compiled for
+    its argument types without running it; None if it does not compile. Compiling starts numba's
     threading layer, which set the calling thread's PyTorch thread count to numba's: it is put back,
     or this (loading) thread's next products (a hosted draft's calibration) would run on two threads
     and leave a team here (in round 48 that slowed the target's one-token step in its service from
     15 to 23 ms; loader.on_own_thread says why)."""
+    if serial is None:
+        return None
+    import numba
+
+    # A name of its own: numba's disk cache files a function's builds by its name, not its flags.
+    name = f"{source.__name__}_parallel"
+    renamed = types.FunctionType(source.__code__, source.__globals__, name)
+    renamed.__qualname__ = name
+    build = numba.njit(nogil=True, cache=True, fastmath=FASTMATH, boundscheck=False, parallel=True)(renamed)
     threads = torch.get_num_threads()
     try:
-        for signature in signatures:
+        for signature in serial.signatures:
             build.compile(signature)
     except Exception as exc:  # noqa: BLE001 - a broken numba install must not stop a model loading
         log.warning("%s's parallel build did not compile (%r)", what, exc)
-        return False
+        return None
     finally:
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
-    return True
+    return build
 
 
 @functools.cache
@@ -179,7 +182,7 @@ def prepare_parallel() -> bool:
     """Compile the parallel build now (a model that will run forwards on more than one thread calls
     this at load; nothing runs, so numba's threads do not start on the loading thread); False where
     there is none."""
-    return _kernel() is not None and _kernel(True) is not None
+    return _kernel(True) is not None
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: np.ndarray,

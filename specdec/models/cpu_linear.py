@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import types
 
 import numpy as np
 import torch
@@ -83,19 +82,11 @@ def _kernel(parallel: bool = False):
     types but not run here (cpu_attention.parallel_layer_ready says why)."""
     if cpu_attention._kernel() is None:  # numba missing or broken; also sets its cache directory
         return None
-    serial = _kernel() if parallel else None
-    if parallel and serial is None:
-        return None
+    if parallel:
+        return cpu_attention.parallel_build(_rows_loop, _kernel(), "the compiled linear loop")
     import numba
 
-    source = _rows_loop
-    if parallel:  # a name of its own: numba's disk cache files a function's builds by its name, not its flags
-        source = types.FunctionType(_rows_loop.__code__, _rows_loop.__globals__, "_rows_loop_parallel")
-        source.__qualname__ = "_rows_loop_parallel"
-    loop = numba.njit(nogil=True, cache=True, fastmath=cpu_attention.FASTMATH, boundscheck=False,
-                      parallel=parallel)(source)
-    if parallel:
-        return loop if cpu_attention.compile_parallel(loop, serial.signatures, "the compiled linear loop") else None
+    loop = numba.njit(nogil=True, cache=True, fastmath=cpu_attention.FASTMATH, boundscheck=False)(_rows_loop)
     ones = np.ones((1, 4), dtype=np.float32)
     try:
         loop(ones, ones, np.empty((1, 1), np.float32), False)  # compile now, at model load

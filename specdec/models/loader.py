@@ -89,17 +89,21 @@ def load_model(
     build = functools.partial(_load, path, backend, device, dtype, num_slots, max_context, kv_budget_bytes, name,
                               head_vocab, cuda_graphs, compile_layers, graph_warmup_context, fused_decode,
                               batch_invariant, batch_invariant_rows, step_threads)
-    # On a CPU, on a thread of its own, which ends with the load: a load runs products on several
-    # threads (the kernel calibration, a hosted draft's), and the OpenMP team that starts on the loading
-    # thread outlives the load. A service's forwards run on another thread (its model thread), whose
-    # team then makes more OpenMP threads than cores, and libgomp stops spin-waiting between products:
-    # at OMP_NUM_THREADS=2 the default target's one-token step took 20-21 ms against 14-15.5 ms loaded
-    # on the thread that runs it (round 48). A team ends with its thread.
-    return on_own_thread(build) if str(device).startswith("cpu") else build()
+    return on_own_thread(build, device)
 
 
-def on_own_thread(build):
-    """build() on a new thread, which ends when it returns; its result or its exception."""
+def on_own_thread(build, device: str):
+    """build() on a CPU: on a new thread, which ends when it returns; its result or its exception.
+    Elsewhere build() here (CUDA graphs are captured at load, on the thread's current stream).
+
+    A load runs products on several threads (the kernel calibration, a hosted draft's engine), and
+    the OpenMP team that starts on the loading thread outlives the load. A service's forwards run on
+    another thread (its model thread), whose team then makes more OpenMP threads than cores, and
+    libgomp stops spin-waiting between products: at OMP_NUM_THREADS=2 the default target's one-token
+    step took 20-21 ms against 14-15.5 ms loaded on the thread that runs it (round 48). A team ends
+    with its thread."""
+    if not str(device).startswith("cpu"):
+        return build()
     outcome = {}
 
     def run():
