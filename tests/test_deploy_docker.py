@@ -185,6 +185,19 @@ def test_compose_file_structure():
     assert "REDIS_PASSWORD" not in " ".join(services["redis"]["command"]).replace("$$REDIS_PASSWORD", "")
 
 
+def test_compose_cpu_override_keeps_the_model_services_off_each_others_cores():
+    """On a CPU host each model service starts on one thread, as `specdec launch` does (left to PyTorch,
+    both would start a spinning OpenMP worker per core); the target's forwards still go wide."""
+    class ComposeLoader(yaml.SafeLoader):  # Compose's own merge tags (!reset, !override)
+        pass
+
+    ComposeLoader.add_multi_constructor("!", lambda loader, tag, node: None)
+    spec = yaml.load((DOCKER / "compose.cpu.yaml").read_text(), Loader=ComposeLoader)  # noqa: S506 - SafeLoader
+    for name, variable in (("target", "SPECDEC_TARGET_THREADS"), ("draft", "SPECDEC_DRAFT_THREADS")):
+        assert spec["services"][name]["environment"]["OMP_NUM_THREADS"] == "${%s:-1}" % variable
+        assert "--wide-step-threads" not in spec["services"][name]["command"]  # the default: every core
+
+
 def test_compose_config_resolves_with_a_real_engine(tmp_path):
     command = compose_command()
     if command is None:

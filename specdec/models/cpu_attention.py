@@ -23,16 +23,18 @@ it where it inlines it, so the two are only promised to agree to float32 roundin
 model (whose one-token steps must give a verify's bits) keeps the serial build (attend's split).
 
 numba compiles the loop when a model first asks for it (about a second; loaded from a disk cache,
-NUMBA_CACHE_DIR or ~/.cache/specdec/numba, in about 0.3 s after that). Without numba installed,
-available() is False and the model keeps SDPA.
+NUMBA_CACHE_DIR or a directory per version of these loops' sources under ~/.cache/specdec/numba, in
+about 0.3 s after that). Without numba installed, available() is False and the model keeps SDPA.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import types
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -48,6 +50,27 @@ MAX_THREADS = 2
 # Vectorised sums need reassociation; no approximate exp, no assumption that values are finite.
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 
+
+# The files whose compiled loops call one another: numba inlines a callee into its caller's cached
+# build but keys that build on the caller's file alone (its path, size and modification time).
+KERNEL_SOURCES = ("cpu_attention.py", "cpu_decode.py", "cpu_linear.py", "cpu_scores.py")
+
+
+def default_cache_dir(root: str | None = None) -> str:
+    """numba's disk cache for these loops (where NUMBA_CACHE_DIR is not set): a directory per version of
+    KERNEL_SOURCES. One shared directory kept, after a change to cpu_attention's loop alone, the old
+    attention inside cpu_decode's cached draft step, because cpu_decode.py itself had not changed (a
+    `git pull` keeps an untouched file's modification time)."""
+    digest = hashlib.sha256()
+    for name in KERNEL_SOURCES:
+        digest.update((Path(__file__).with_name(name)).read_bytes())
+    root = root or os.path.join(os.path.expanduser("~"), ".cache", "specdec", "numba")
+    return os.path.join(root, digest.hexdigest()[:16])
+
+
+# Before numba is first imported: numba reads its cache directory when it is imported (and again at
+# each compile), and a function decorated before that re-read was filed in the package's __pycache__.
+os.environ.setdefault("NUMBA_CACHE_DIR", default_cache_dir())
 
 try:
     from numba import prange
@@ -108,10 +131,10 @@ def _kernel(parallel: bool = False):
     build that splits the items over numba's threads, compiled for the serial build's argument types
     but not run (see parallel_layer_ready)."""
     try:
-        os.environ.setdefault("NUMBA_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "specdec", "numba"))
         import numba
     except ImportError:
         return None
+    numba.core.config.reload_config()  # NUMBA_CACHE_DIR, where numba was imported before this module
     if parallel:
         return parallel_build(_attend_items, _kernel(), "the compiled CPU attention")
     global _item

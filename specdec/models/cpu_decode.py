@@ -40,8 +40,8 @@ MAX_TOKENS = 16
 # From this many tokens in one call _linear_loop works in blocks (a 16-row draft step: 20% faster).
 BLOCKED_FROM = 8
 _attend = None  # cpu_attention's compiled loop, called from _forward_loop (set by _kernel)
-# numba's disk cache keys _forward_loop on this file alone: a change to cpu_attention's loop is only
-# picked up here once this file changes too (or NUMBA_CACHE_DIR is cleared).
+# numba's disk cache keys _forward_loop on this file alone: the default cache directory changes with
+# every kernel file (cpu_attention.default_cache_dir), so a change to cpu_attention's loop is seen here.
 _linear = None  # _linear_loop compiled
 _rms_norm = None  # _rms_norm_loop compiled
 
