@@ -11,7 +11,6 @@ Writes a JSON report with every number and a PNG, and prints a short table. See 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -127,8 +126,9 @@ def add_parser(subparsers) -> None:
                        help="measure the memory-bandwidth floor of a target step (weight bytes / copy bandwidth)")
     parser.add_argument("--timing-repeats", type=int, default=3, help="engine step timings per prompt")
     parser.add_argument("--seed", type=int, default=0, help="shuffles the base order of the methods")
-    parser.add_argument("--out", type=Path, default=Path("bench-results/bench.json"), help="the JSON report")
-    parser.add_argument("--plot", type=Path, help="the PNG (default: the JSON's path with .png)")
+    parser.add_argument("--out", type=Path, default=Path("bench-results/bench.json"),
+                        help="the JSON report (gzip-compressed where the name ends in .gz)")
+    parser.add_argument("--plot", type=Path, help="the PNG (default: the report's path with .png for .json / .json.gz)")
     parser.add_argument("--log-dir", type=Path, help="service logs (default: a temporary folder)")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--replot", type=Path, metavar="JSON",
@@ -202,12 +202,13 @@ def run(args: argparse.Namespace) -> int:
 
     from specdec.bench.output import assemble, recompute, tables
     from specdec.bench.plot import plot_report
+    from specdec.bench.report_file import plot_path, read_report, write_report
     from specdec.bench.runner import Bench
 
     if args.replot:
-        report = recompute(json.loads(args.replot.read_text()))
-        args.replot.write_text(json.dumps(report, indent=1) + "\n")
-        plot = plot_report(report, args.plot or args.replot.with_suffix(".png"))
+        report = recompute(read_report(args.replot))
+        write_report(args.replot, report)
+        plot = plot_report(report, args.plot or plot_path(args.replot))
         print(tables(report))
         print(f"plot:   {plot}", file=sys.stderr)
         return 0
@@ -220,9 +221,9 @@ def run(args: argparse.Namespace) -> int:
         collected = bench.run()
     report = assemble(bench, collected)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    write_report(args.out, report)
     try:
-        plot = plot_report(report, args.plot or args.out.with_suffix(".png"))
+        plot = plot_report(report, args.plot or plot_path(args.out))
     except ImportError as exc:  # matplotlib is the `bench` extra; redraw later with --replot
         plot = f"not drawn ({exc}); run `specdec bench --replot {args.out}` where matplotlib is installed"
     print(tables(report))
