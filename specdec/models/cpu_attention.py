@@ -63,7 +63,7 @@ def default_cache_dir(root: str | None = None) -> str:
     `git pull` keeps an untouched file's modification time)."""
     digest = hashlib.sha256()
     for name in KERNEL_SOURCES:
-        digest.update((Path(__file__).with_name(name)).read_bytes())
+        digest.update(Path(__file__).with_name(name).read_bytes())
     root = root or os.path.join(os.path.expanduser("~"), ".cache", "specdec", "numba")
     return os.path.join(root, digest.hexdigest()[:16])
 
