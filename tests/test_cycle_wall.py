@@ -82,6 +82,26 @@ def test_a_draft_service_session_whose_cycles_lose_to_plain_steps_is_refused_for
     assert refused_steps == 2 * first
 
 
+def test_a_refusal_doubles_with_each_losing_probe_up_to_its_cap():
+    """Under a steady load that drafting keeps losing to, the probes grow rarer: 32, 64, ... plain steps
+    between them, up to max_backoff (1,024: capped at 128, the probes' catch-ups and lost cycles kept a
+    draft service's pool below plain decoding at 4 sessions on a CPU; BENCHMARKS.md, round 49)."""
+    trimmer = gpu_trimmer()
+    steps = Steps(trimmer)
+    pricing = trimmer.cycle_wall
+    assert pricing.max_backoff == 1024
+    assert steps.cycles("slow", 4, every=6, accepted=2) == [4, 4, 4, 0]
+    windows = []
+    for _ in range(7):
+        refused_steps = 1
+        while pricing.refuses("slow"):
+            steps.run([DecodeWork("slow", 10)], [[1]])
+            refused_steps += 1
+        windows.append(refused_steps)
+        assert steps.cycles("slow", 2, every=6, accepted=2) == [4, 0]  # the probe loses again
+    assert windows == [32, 64, 128, 256, 512, 1024, 1024]
+
+
 def test_new_sessions_start_from_the_latest_verdict():
     """Requests are short: a new session starts refused for as long as the latest refusal, so it does
     not pay the cycles that measure what its neighbours just measured; a verdict that pays clears it."""
