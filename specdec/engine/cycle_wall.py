@@ -101,10 +101,11 @@ class CycleWallPricing:
         # after a plain run also pays the switch: a plain run cancelled, the draft catching up). A
         # probe after a refusal decides on its one cycle: it only has to confirm the refusal.
         # max_backoff: a probe costs more than its own losing cycle (the draft's catch-up over every
-        # token since its last one, the probing session's round trips); capped at 128 steps, the
-        # probes every 2.6 s of a steady load kept the draft service's pool 4-13% below plain decoding
-        # at 4 sessions on two CPU cores, and within the A/A spread capped at 1,024 (round 49). A
-        # clearly lighter load, or probes that pay, still end a refusal at once.
+        # token since its last one, the probing session's round trips). Capped at 128 steps, a probe
+        # every 2.6 s of a steady 4-session load on two CPU cores kept the draft service's pool at
+        # 0.90-0.96 of plain decoding (adaptive length; k = 4 0.87-0.91); capped at 1,024, 0.99 (k = 4
+        # 0.94-1.00; docs/BENCHMARKS.md, round 49). A clearly lighter load, or probes that pay, still
+        # end a refusal at once.
         self.margin, self.decay, self.min_cycles = margin, decay, min_cycles
         self.first_backoff, self.max_backoff = first_backoff, max_backoff
         self.max_sessions, self.probe_patience, self.lighter = max_sessions, probe_patience, lighter
