@@ -6,9 +6,9 @@ module only takes directories, so it never touches the network.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import os
-import threading
 from pathlib import Path
 
 from specdec.errors import InvalidArgument
@@ -104,20 +104,9 @@ def on_own_thread(build, device: str):
     with its thread."""
     if not str(device).startswith("cpu"):
         return build()
-    outcome = {}
-
-    def run():
-        try:
-            outcome["value"] = build()
-        except BaseException as exc:  # noqa: BLE001 - raised again on the caller's thread
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=run, name="specdec-load")
-    thread.start()
-    thread.join()
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
+    # Leaving the block joins the pool's one thread: its team is gone before the caller goes on.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="specdec-load") as pool:
+        return pool.submit(build).result()
 
 
 def _load(path, backend, device, dtype, num_slots, max_context, kv_budget_bytes, name, head_vocab, cuda_graphs,
