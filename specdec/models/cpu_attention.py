@@ -33,6 +33,8 @@ import functools
 import hashlib
 import logging
 import os
+import re
+import shutil
 import types
 from pathlib import Path
 
@@ -66,6 +68,31 @@ def default_cache_dir(root: str | None = None) -> str:
         digest.update(Path(__file__).with_name(name).read_bytes())
     root = root or os.path.join(os.path.expanduser("~"), ".cache", "specdec", "numba")
     return os.path.join(root, digest.hexdigest()[:16])
+
+
+_VERSION_DIR = re.compile(r"[0-9a-f]{16}")  # default_cache_dir's names
+_LEGACY_DIR = re.compile(r"\w+_[0-9a-f]{40}")  # numba's per-source-folder directories, once at the root
+
+
+def prune_cache_dirs(current: str, keep: int = 2) -> list[str]:
+    """Delete the directories of older versions beside `current` (a default_cache_dir), all but the
+    `keep` most recently written, and the builds left at the root by releases before the versioned
+    layout (numba's `<package>_<path hash>` folders); return what was deleted. About 1 MB a version
+    otherwise piles up with every update. A process still running an old version loses nothing: its
+    builds are loaded, and numba writes a missing directory anew. Other names are left alone."""
+    root = os.path.dirname(current)
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return []
+    versions = [e for e in entries if e.is_dir() and e.path != current and _VERSION_DIR.fullmatch(e.name)]
+    versions.sort(key=lambda e: e.stat().st_mtime, reverse=True)
+    legacy = [e for e in entries if e.is_dir() and _LEGACY_DIR.fullmatch(e.name)]
+    deleted = []
+    for entry in versions[keep:] + legacy:
+        shutil.rmtree(entry.path, ignore_errors=True)
+        deleted.append(entry.path)
+    return deleted
 
 
 # Before numba is first imported: numba reads its cache directory when it is imported (and again at
@@ -137,6 +164,9 @@ def _kernel(parallel: bool = False):
     numba.core.config.reload_config()  # NUMBA_CACHE_DIR, where numba was imported before this module
     if parallel:
         return parallel_build(_attend_items, _kernel(), "the compiled CPU attention")
+    if os.environ.get("NUMBA_CACHE_DIR") == default_cache_dir():  # ours: a user's own directory is theirs
+        for path in prune_cache_dirs(os.environ["NUMBA_CACHE_DIR"]):
+            log.info("removed the compiled CPU loops of an older version: %s", path)
     global _item
     _item = numba.njit(nogil=True, cache=True, fastmath=FASTMATH, boundscheck=False)(_attend_item)
     attend = numba.njit(nogil=True, cache=True, fastmath=FASTMATH, boundscheck=False)(_attend_items)
