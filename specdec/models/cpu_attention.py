@@ -97,7 +97,8 @@ def prune_cache_dirs(current: str, keep: int = 2) -> list[str]:
 
 # Before numba is first imported: numba reads its cache directory when it is imported (and again at
 # each compile), and a function decorated before that re-read was filed in the package's __pycache__.
-os.environ.setdefault("NUMBA_CACHE_DIR", default_cache_dir())
+_DEFAULT_CACHE_DIR = default_cache_dir()
+os.environ.setdefault("NUMBA_CACHE_DIR", _DEFAULT_CACHE_DIR)
 
 try:
     from numba import prange
@@ -164,8 +165,8 @@ def _kernel(parallel: bool = False):
     numba.core.config.reload_config()  # NUMBA_CACHE_DIR, where numba was imported before this module
     if parallel:
         return parallel_build(_attend_items, _kernel(), "the compiled CPU attention")
-    if os.environ.get("NUMBA_CACHE_DIR") == default_cache_dir():  # ours: a user's own directory is theirs
-        for path in prune_cache_dirs(os.environ["NUMBA_CACHE_DIR"]):
+    if os.environ.get("NUMBA_CACHE_DIR") == _DEFAULT_CACHE_DIR:  # ours: a user's own directory is theirs
+        for path in prune_cache_dirs(_DEFAULT_CACHE_DIR):
             log.info("removed the compiled CPU loops of an older version: %s", path)
     global _item
     _item = numba.njit(nogil=True, cache=True, fastmath=FASTMATH, boundscheck=False)(_attend_item)
