@@ -64,8 +64,9 @@ def test_a_cache_directory_the_user_set_is_kept(tmp_path):
 
 def _version_dir(root: pathlib.Path, name: str, mtime: float) -> pathlib.Path:
     path = root / name
-    (path / ("models_" + "0" * 40)).mkdir(parents=True)
-    (path / ("models_" + "0" * 40) / "cpu_attention._attend_item-61.py311.nbi").write_bytes(b"x")
+    builds = path / ("models_" + "0" * 40)  # numba's folder per source directory, inside a version's
+    builds.mkdir(parents=True)
+    (builds / "cpu_attention._attend_item-61.py311.nbi").write_bytes(b"x")
     os.utime(path, (mtime, mtime))
     return path
 
