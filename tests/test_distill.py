@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import dataclasses
 import json
 import random
@@ -16,7 +18,7 @@ from specdec.distill.__main__ import main as distill_main
 from specdec.distill.batched_llama import BatchedLlama, generate_batch
 from specdec.distill.data import Record, epoch_batches, load_dir, load_shard, save_shard
 from specdec.distill.draft import DraftSpec
-from specdec.distill.evaluate import speculative_counts, summarize
+from specdec.distill.evaluate import by_position, speculative_counts, summarize
 from specdec.distill.generate import GenerateConfig, generate_data
 from specdec.distill.prompts import load_seeds, magpie_prefixes, passage_tasks
 from specdec.distill.train import TrainConfig, Trainer
@@ -255,9 +257,12 @@ def test_cli_end_to_end_and_checkpoint_loads(target_dir, tmp_path):
     assert 0.0 <= result["head_16"]["overall_tokens"]["agreement"] <= 1.0
     first = tmp_path / "first.json"  # only each answer's first 2 tokens scored
     assert distill_main(["evaluate", "--draft", str(run / DRAFT), "--eval", str(eval_file), "--device", "cpu",
-                         "--answer-tokens", "2", "--json-out", str(first)]) == 0
+                         "--answer-tokens", "2", "--by-position", "4,8", "--json-out", str(first)]) == 0
     answers = [len(r.tokens) - r.prompt_len for r in load_shard(eval_file)]
-    assert json.loads(first.read_text())["full_head"]["overall_tokens"]["tokens"] == sum(min(n, 2) for n in answers)
+    scored = json.loads(first.read_text())["full_head"]
+    assert scored["overall_tokens"]["tokens"] == sum(min(n, 2) for n in answers)
+    # The position buckets split the same scored tokens, category by category.
+    assert sum(b["tokens"] for cat in scored["by_position"].values() for b in cat.values()) == sum(min(n, 2) for n in answers)
     assert result["full_head"]["overall_tokens"]["tokens"] == sum(answers)
 
 
@@ -284,6 +289,23 @@ def test_summarize_per_category():
     assert result["a"]["agreement"] == 0.75 and result["b"]["agreement"] == 0.0
     assert result["overall_tokens"]["agreement"] == 0.375
     assert result["overall_macro"]["agreement"] == 0.375
+
+
+def test_by_position_buckets_answer_tokens_by_absolute_position():
+    # Record a: prompt of 2, answer positions 2..5; record b (other category): prompt 1, positions 1..4.
+    records = [Record(np.arange(6), 2, "a", "eval"), Record(np.arange(5), 1, "b", "eval")]
+    matches = [np.array([1, 1, 0, 1], dtype=bool), np.array([0, 1, 1, 1], dtype=bool)]
+    result = by_position(records, matches, [3, 5])
+    assert result["a"] == {"[0,3)": {"agreement": 1.0, "tokens": 1}, "[3,5)": {"agreement": 0.5, "tokens": 2},
+                           "[5,)": {"agreement": 1.0, "tokens": 1}}
+    assert result["b"] == {"[0,3)": {"agreement": 0.5, "tokens": 2}, "[3,5)": {"agreement": 1.0, "tokens": 2}}
+
+
+@pytest.mark.parametrize("text", ["0,10", "10,5", "10,10", "a,b", ""])
+def test_position_edges_refuse_what_cannot_split(text):
+    from specdec.commands.distill import _position_edges
+    with pytest.raises(argparse.ArgumentTypeError):
+        _position_edges(text)
 
 
 def test_draft_spec_parsing():

@@ -29,6 +29,17 @@ def _non_negative(text: str) -> int:
     return value
 
 
+def _position_edges(text: str) -> list[int]:
+    """'1024,1280' -> [1024, 1280]: positive, increasing positions."""
+    try:
+        edges = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positions such as 1024,1280, got {text!r}")
+    if not edges or edges[0] <= 0 or any(b <= a for a, b in zip(edges, edges[1:])):
+        raise argparse.ArgumentTypeError(f"positions must be positive and increasing, got {text!r}")
+    return edges
+
+
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("distill", help="train a draft model for a target (self-distillation)",
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -120,6 +131,9 @@ def add_subcommands(parser: argparse.ArgumentParser) -> None:
     v.add_argument("--answer-tokens", type=_non_negative, default=0,
                    help="score only the first N tokens of each reference answer (0: all). Long answers often "
                         "end in loops a copying draft predicts well: the first 128 tokens read lower")
+    v.add_argument("--by-position", type=_position_edges, default=[], metavar="EDGES",
+                   help="also give each variant's agreement per category by the answer token's absolute "
+                        "position, in buckets split at these comma-separated positions (e.g. 1024,1280)")
     v.add_argument("--json-out", default=None)
     _device_args(v, default_dtype="float32")
     v.set_defaults(func=_evaluate)
@@ -278,7 +292,8 @@ def _evaluate(args) -> int:
     from transformers import AutoModelForCausalLM
 
     from specdec.distill.data import load_dir, load_shard
-    from specdec.distill.evaluate import head_vocab, match_vectors, summarize
+    from specdec.distill.evaluate import by_position, head_vocab, match_vectors
+    from specdec.distill.evaluate import summarize as summarize_only
     from specdec.models.registry import resolve_model
     from specdec.proposers.copy_guess import CopyRule
 
@@ -287,6 +302,13 @@ def _evaluate(args) -> int:
     if args.answer_tokens:
         records = [replace(r, tokens=r.tokens[:r.prompt_len + args.answer_tokens]) for r in records]
     copy = CopyRule(args.copy_below) if args.copy_below else None
+
+    def summarize(records, matches, k):
+        result = summarize_only(records, matches, k)
+        if args.by_position:
+            result["by_position"] = by_position(records, matches, args.by_position)
+        return result
+
     result = {"full_head": summarize(records, match_vectors(draft, records, args.device), args.k)}
     if copy is not None:
         result["full_head+copy"] = summarize(records, match_vectors(draft, records, args.device, copy=copy), args.k)
