@@ -18,7 +18,7 @@ from specdec.distill.__main__ import main as distill_main
 from specdec.distill.batched_llama import BatchedLlama, generate_batch
 from specdec.distill.data import Record, epoch_batches, load_dir, load_shard, save_shard
 from specdec.distill.draft import DraftSpec
-from specdec.distill.evaluate import by_position, speculative_counts, summarize
+from specdec.distill.evaluate import agreement_interval, by_position, speculative_counts, summarize
 from specdec.distill.generate import GenerateConfig, generate_data
 from specdec.distill.prompts import load_seeds, magpie_prefixes, passage_tasks
 from specdec.distill.train import TrainConfig, Trainer
@@ -289,6 +289,17 @@ def test_summarize_per_category():
     assert result["a"]["agreement"] == 0.75 and result["b"]["agreement"] == 0.0
     assert result["overall_tokens"]["agreement"] == 0.375
     assert result["overall_macro"]["agreement"] == 0.375
+    assert result["a"]["answers"] == 1 and result["a"]["agreement_ci95"] == [0.75, 0.75]  # one answer: no spread
+
+
+def test_agreement_interval_resamples_answers_not_tokens():
+    # Five answers of 200 tokens, agreeing 0.5-0.9: the pooled 0.7 is known only to the answers' spread.
+    answers = [np.arange(200) < 200 * share for share in (0.5, 0.6, 0.7, 0.8, 0.9)]
+    lo, hi = agreement_interval(answers)
+    assert lo < 0.62 and hi > 0.78 and lo < 0.7 < hi  # a token-level interval would be about +-0.03
+    assert agreement_interval(answers) == [lo, hi]  # deterministic (a fixed seed)
+    same = [np.arange(200) < 140] * 5
+    assert agreement_interval(same) == [0.7, 0.7]  # identical answers: no spread at all
 
 
 def test_by_position_buckets_answer_tokens_by_absolute_position():
