@@ -194,21 +194,18 @@ def by_position(records: list[Record], matches: list[np.ndarray], edges: list[in
     at `edges` (e.g. 1024, 1280): a draft trained on records of at most N tokens has never attended
     across more than N positions, which shows here as a drop past N (long documents: summarization)."""
     bounds = [0, *sorted(edges), None]
-    by_cat: dict[str, dict[str, list[int]]] = defaultdict(dict)
+    counts: dict[str, dict[tuple, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))
     for r, m in zip(records, matches):
         position = r.prompt_len + np.arange(len(m))
         for lo, hi in zip(bounds[:-1], bounds[1:]):
-            inside = (position >= lo) & (position < hi) if hi is not None else position >= lo
+            inside = (position >= lo) & (position < (np.inf if hi is None else hi))
             if inside.any():
-                counts = by_cat[r.category].setdefault(f"[{lo},{hi if hi is not None else ''})", [0, 0])
-                counts[0] += int(m[inside].sum())
-                counts[1] += int(inside.sum())
-    def start(bucket: str) -> int:
-        return int(bucket[1:bucket.index(",")])
-
-    return {cat: {bucket: {"agreement": round(hits / tokens, 4), "tokens": tokens}
-                  for bucket, (hits, tokens) in sorted(buckets.items(), key=lambda item: start(item[0]))}
-            for cat, buckets in sorted(by_cat.items())}
+                hits_tokens = counts[r.category][(lo, hi)]
+                hits_tokens[0] += int(m[inside].sum())
+                hits_tokens[1] += int(inside.sum())
+    return {cat: {f"[{lo},{'' if hi is None else hi})": {"agreement": round(hits / tokens, 4), "tokens": tokens}
+                  for (lo, hi), (hits, tokens) in sorted(buckets.items(), key=lambda item: item[0][0])}
+            for cat, buckets in sorted(counts.items())}
 
 
 def head_vocab(records: list[Record], size: int) -> tuple[torch.Tensor, float]:
