@@ -84,7 +84,10 @@ async def test_the_target_scores_each_divergence_at_its_first_differing_token(tm
         scored = await ties.rescore(results, {"q1": PROMPT}, servicer.test_address, "float32")
     assert scored == 1
     assert [r.logit_gap for r in results[:2]] == [None, None] and results[3].logit_gap is None  # shorter only
-    assert results[2].logit_gap == pytest.approx(float(logits[plain[2]] - logits[runner_up]), abs=1e-5)
+    # The service loads the model again, and "auto" picks each row count's linear kernel by timing it at
+    # load (kernel_calibration.py): the two loads may multiply with different kernels, whose float32
+    # sums differ in the last bits (2e-5 on this gap of 4 once). A wrong position or token differs by far more.
+    assert results[2].logit_gap == pytest.approx(float(logits[plain[2]] - logits[runner_up]), abs=1e-4)
     assert results[2].tie_threshold > 0
     # A batch-invariant target (--batch-invariant): no tie allowance, any divergence is a failure
     results[2].logit_gap = results[2].tie_threshold = None
