@@ -194,12 +194,24 @@ def wait_all(*procs: ServiceProcess, timeout_s: float = 120.0) -> None:
         raise
 
 
-def stop_all(*procs: ServiceProcess, timeout_s: float = 20.0) -> None:
-    """SIGTERM every service at once, then wait for each (SIGKILL after timeout_s)."""
+def stop_all(*procs: ServiceProcess, timeout_s: float = 20.0) -> list[str]:
+    """SIGTERM every service at once; SIGKILL those still running timeout_s later. One deadline for
+    all: waited one after the other, each with its own timeout, three services that hang on their
+    way out held a launcher's Ctrl-C for a minute. Returns a line for each service that was killed."""
     for proc in procs:
         proc.signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    killed = []
     for proc in procs:
-        proc.stop(timeout_s)
+        try:
+            proc.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            killed.append(f"{proc.module} (pid {proc.proc.pid}) was still running {timeout_s:.0f} s after "
+                          f"SIGTERM: killed; its log: {proc.log_path}")
+    for line in killed:
+        print(line, file=sys.stderr, flush=True)
+    return killed
 
 
 def exit_with_parent(poll_s: float = 0.5) -> None:

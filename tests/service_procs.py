@@ -63,3 +63,24 @@ def start_launcher(args: list[str], log_path: Path, timeout_s: float = 300.0, en
             proc.kill()
             raise RuntimeError(f"specdec launch did not come up:\n{text[-3000:]}")
         time.sleep(0.2)
+
+
+def stop_launcher(proc, log_path: Path, timeout_s: float = 90.0) -> int:
+    """Ctrl-C a launcher from start_launcher; returns its exit code. One that has not exited in timeout_s
+    (its own bound: 20 s for the coordinator, 20 s for the model services, 5 s for Redis) is killed, and
+    the failure shows its log and the tail of each service's log, to say which one held it."""
+    import signal
+    import subprocess
+
+    proc.send_signal(signal.SIGINT)
+    try:
+        return proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    text = log_path.read_text()
+    report = [f"specdec launch did not exit within {timeout_s:.0f} s of SIGINT:\n{text[-3000:]}"]
+    if "logs in " in text:
+        for service_log in sorted(Path(text.split("logs in ", 1)[1].split()[0]).glob("*.log")):
+            report.append(f"--- {service_log.name}:\n{service_log.read_text()[-1500:]}")
+    raise AssertionError("\n".join(report))

@@ -6,14 +6,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 
 import pytest
 
-from service_procs import REPO, start_launcher
+from service_procs import REPO, start_launcher, stop_launcher
 from specdec.client import AsyncClient, Client
 from specdec.engine.local import LocalTarget
 from specdec.engine.target import TargetEngine
@@ -112,8 +111,7 @@ def launched(models, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("launch") / "launch.log"
     proc, address = start_launcher(["--target", str(target), "--draft", "ngram"], log_path)
     yield address, target
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(60) == 0, log_path.read_text()[-3000:]
+    assert stop_launcher(proc, log_path) == 0, log_path.read_text()[-3000:]
 
 
 def test_blocking_client_streams_continues_and_ends_a_session(launched):

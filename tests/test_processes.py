@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from service_procs import REPO, tiny_model_dir
 
@@ -49,3 +50,37 @@ def test_a_service_exits_when_its_launcher_is_killed(tmp_path_factory):
         launcher.kill()
         if service_pid is not None and _alive(service_pid):
             os.kill(service_pid, signal.SIGKILL)
+
+
+def test_stop_all_kills_what_ignores_sigterm_at_one_deadline(tmp_path):
+    """Three services that hang on their way out cost one timeout, not three, and each one killed is
+    named with its log."""
+    from specdec.processes import ServiceProcess, stop_all
+
+    stubborn = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                "print('up', flush=True); time.sleep(600)")
+    procs = []
+    for name in ("coordinator", "target_service", "draft_service"):
+        proc = subprocess.Popen([sys.executable, "-c", stubborn], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline() == "up\n"  # SIGTERM is ignored from here on
+        procs.append(ServiceProcess(name, proc, tmp_path / f"{name}.log", tmp_path / f"{name}.ready.json"))
+    try:
+        started = time.monotonic()
+        killed = stop_all(*procs, timeout_s=1.0)
+        assert time.monotonic() - started < 2.5
+        assert all(proc.proc.returncode == -signal.SIGKILL for proc in procs)
+        assert [line.split()[0] for line in killed] == ["coordinator", "target_service", "draft_service"]
+        assert all(f"{proc.log_path}" in line for proc, line in zip(procs, killed))
+    finally:
+        for proc in procs:
+            proc.proc.kill()
+
+
+def test_stop_all_returns_at_once_for_services_that_stop():
+    from specdec.processes import ServiceProcess, stop_all
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    service = ServiceProcess("draft_service", proc, Path("unused.log"), Path("unused.ready.json"))
+    started = time.monotonic()
+    assert stop_all(service, timeout_s=30.0) == [] and proc.returncode == -signal.SIGTERM
+    assert time.monotonic() - started < 5.0

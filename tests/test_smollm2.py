@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import signal
 
 import pytest
 
-from service_procs import start_launcher
+from service_procs import start_launcher, stop_launcher
 from specdec.client import Client
 from specdec.engine.draft import DraftEngine
 from specdec.engine.local import LocalDraft, LocalTarget
@@ -98,8 +97,7 @@ def launched(request, smol, random_draft_dir, tmp_path_factory):
     env = {"SPECDEC_DRAFT_COPY_BELOW": "0"} if request.param == "identical" else {}
     proc, address = start_launcher(["--target", str(target_dir), "--draft", draft], log_path, env=env)
     yield request.param, address
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(60) == 0, log_path.read_text()[-3000:]
+    assert stop_launcher(proc, log_path) == 0, log_path.read_text()[-3000:]
 
 
 @pytest.mark.slow  # three launches of the whole system with the real model: 95 s on 2 cores

@@ -14,6 +14,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 log = logging.getLogger("specdec.launch")
@@ -93,7 +94,7 @@ def draft_args(draft: str, args: argparse.Namespace, target_dir: Path) -> list[s
 def run(args: argparse.Namespace) -> int:
     from specdec.commands.generate import default_draft
     from specdec.models.registry import resolve_model
-    from specdec.processes import launch, stop_all, wait_all
+    from specdec.processes import launch, wait_all
     from specdec.store import EmbeddedRedis
 
     from specdec.server.service import check_batch_invariant_rows
@@ -129,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         services = [target]
         draft_proc = launch("draft_service", draft_cli, log_dir=log_dir, env=threads_env) if draft_cli else None
         services += [draft_proc] if draft_proc else []
-        stack.callback(stop_all, *services)
+        stack.callback(stop_logged, list(services))
         wait_all(*services, timeout_s=300)
         coordinator_cli = ["--host", "127.0.0.1", "--plaintext", "--port", str(args.port),
                            "--tokenizer", str(target_dir), "--redis-url", redis_url,
@@ -144,13 +145,25 @@ def run(args: argparse.Namespace) -> int:
             coordinator_cli += ["--default-pool", "baseline"]
         coordinator = launch("coordinator", coordinator_cli, log_dir=log_dir)
         services.append(coordinator)
-        stack.callback(stop_all, coordinator)
+        stack.callback(stop_logged, [coordinator])
         wait_all(coordinator, timeout_s=120)
         log.info("coordinator %s | target %s | draft %s (%s)", coordinator.address, target.address,
                  draft_proc.address if draft_proc else "inside the target" if inner else "-", draft)
         if args.prompt is None:
             return wait_for_signal(services, embedded)
         return ask(coordinator.address, args)
+
+
+def stop_logged(services) -> None:
+    """Stop services (the coordinator first, so that its running turns end against live backends), saying
+    in the log how long each stage took: a launcher slow to stop shows where it waited."""
+    from specdec.processes import stop_all
+
+    started = time.monotonic()
+    names = ", ".join(service.module for service in services)
+    log.info("stopping %s", names)
+    killed = stop_all(*services)
+    log.info("%s stopped in %.1f s%s", names, time.monotonic() - started, " (some killed)" if killed else "")
 
 
 def ask(address: str, args: argparse.Namespace) -> int:
