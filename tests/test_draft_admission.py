@@ -108,8 +108,11 @@ def test_without_evict_after_the_least_recently_used_session_is_evicted(model_di
 def services(model_dirs, tmp_path_factory):
     logs = tmp_path_factory.mktemp("draft-admission-logs")
     procs = {
+        # No cycle pricing: a fresh target's would let one session of the three probe and the others
+        # decode plainly, and these tests are of the draft's slots, which need them all drafting.
         "target": launch("target_service", ["--model", str(model_dirs["target"]), "--max-context", str(CONTEXT),
-                                            "--num-slots", "8", "--test-delay-ms", "5", "--plaintext"], log_dir=logs),
+                                            "--num-slots", "8", "--test-delay-ms", "5", "--plaintext",
+                                            "--draft-trimming", "step"], log_dir=logs),
         # One slot, kept a minute after each Propose: a second session in mid-turn can never take it.
         "draft": launch("draft_service", ["--model", str(model_dirs["draft"]), "--max-context", str(CONTEXT),
                                           "--num-slots", "1", "--evict-after", "60", "--plaintext"], log_dir=logs),

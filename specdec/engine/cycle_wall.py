@@ -54,6 +54,13 @@ tail, with most sessions gone, or at its head, with most still prefilling, let e
 the next burst draft, and each then lost two to seven cycles before its refusal (on the CPU at 16
 sessions, 44-62 losing cycles a burst; docs/BENCHMARKS.md, "Round 30").
 
+A fresh target has no verdict for any source, and a burst's sessions all drafted 3-6 cycles before the
+first one came (0.875 of plain decoding on a CPU at 16 sessions, round 52). So a source met for the
+first time under a load of two sessions or more stands refused with an empty window (the prior): one
+session probes, and the others decode plainly from their start (no draft prefill, no round trip) until
+the probes have paid or a loss has opened a window. Sessions that drafted beside each other and lose
+within a running window are one verdict, not one doubling each.
+
 A cycle is also charged what it cost the step's other rows. The target holds a step for a session
 just served (batcher._gather), so while one drafts elsewhere the others wait for its verify, and its
 drafted tokens widen their step: on a CPU at 4 sessions a cycle's round trip held the step for about
@@ -120,11 +127,14 @@ class CycleWallPricing:
         # holds for); absent once enough probes paid under that load. One window per source: a slow
         # draft service's verdict must not hold back the new sessions of another.
         self._verdicts: dict[str, tuple[int, int, int]] = {}
+        self._priced: OrderedDict[str, None] = OrderedDict()  # sources met under load (_unpriced)
         # Per refused source: probes that paid under its load since its latest refusal. One drafting
         # session among plain ones says little of all of them drafting (their verify rows widen every
         # session's step), so the verdict lifts only once half its load's worth of probes, each
         # drafting beside the ones before it, paid.
-        self._paid_probes: dict[str, int] = {}
+        # Counted by session: one probe drafting on pays cycle after cycle, and each cycle counted as a
+        # probe let one session's luck stand for three of the eight a load of 16 needs.
+        self._paid_probes: dict[str, set[str]] = {}
         # Per refused source: (the session probing for it, the step its probe was granted): one at a time.
         self._probes: dict[str, tuple[str, int]] = {}
         self._sources: OrderedDict[str, str] = OrderedDict()  # session -> draft source (StartSession)
@@ -176,10 +186,13 @@ class CycleWallPricing:
     def _holds(self, source: str, load: int) -> bool:
         """Whether the source stands refused for `load` (a clearly lighter load than its refusal's is not)."""
         verdict = self._verdicts.get(source)
-        return verdict is not None and load >= self.lighter * verdict[2]
+        if verdict is None:
+            return False
+        return load >= 2 if verdict[2] == 0 else load >= self.lighter * verdict[2]  # (0: the prior's)
 
     def _turn(self, session_id: str, source: str, load: int) -> int:
         """_wait_to_probe without taking the probe."""
+        self._unpriced(source, load)
         if not self._holds(source, load):  # never refused, paid since, or a lighter load: no turns to take
             return 0
         left = self._inherited_refusal(source)
@@ -190,6 +203,17 @@ class CycleWallPricing:
         if prober != session_id and waited < self.probe_patience:  # another's probe will answer for it
             return self.probe_patience - waited
         return 0
+
+    def _unpriced(self, source: str, load: int) -> None:
+        """The prior (module docstring): a verdict with an empty window and no load of its own. It holds
+        under any load of two sessions or more, not only heavier ones as a measured refusal does: the
+        load counted at a burst's start also counts the sessions just ended (32 for a burst of 16 after
+        another), and held for that load only, it let the burst draft. It lifts after half the load's
+        worth of probes paid, that load measured by the paying cycles."""
+        if load < 2 or source in self._priced:
+            return
+        self._remember(self._priced, source, None)
+        self._verdicts.setdefault(source, (self._steps, 0, 0))
 
     def _inherited_refusal(self, source: str) -> int:
         """Plain steps left of the source's latest refusal window: what a new session starts refused for."""
@@ -221,10 +245,12 @@ class CycleWallPricing:
         The sessions are kept in the order they were last seen, so this reads only the recent ones:
         it runs per drafted row of every step, beside up to max_sessions remembered sessions."""
         count = 0
-        for pace in reversed(self._sessions.values()):
+        for session_id, pace in reversed(self._sessions.items()):
             if now - pace.last_result > horizon_s:
                 break
-            count += 1
+            # One refused at its start is remembered from its admission, but until its first step it
+            # is counted as prefilled (_joined): once, or each admission in a burst saw the load twice.
+            count += session_id not in self._joined
         return count
 
     def observe(self, works: Sequence, results: Sequence, started: float, ended: float,
@@ -313,18 +339,26 @@ class CycleWallPricing:
         if pays:
             pace.backoff = 0  # it pays: it drafts on, and a later refusal starts short again
             if self._holds(pace.source, load):  # under the refusal's load: the next session may probe now
-                paid = self._paid_probes.get(pace.source, 0) + 1
-                self._paid_probes[pace.source] = paid
-                if paid >= self._verdicts[pace.source][2] / 2:  # enough: new sessions draft at once
+                paid = self._paid_probes.setdefault(pace.source, set())
+                paid.add(session_id)
+                if len(paid) >= (self._verdicts[pace.source][2] or load) / 2:  # enough: new sessions draft at once
                     del self._verdicts[pace.source], self._paid_probes[pace.source]
             return
         # The source's refusal doubles, whichever of its sessions probed, and holds from the lightest
         # load it lost under.
-        _, length, refused_load = self._verdicts.get(pace.source, (0, 0, load))
-        length = max(pace.backoff, length)
-        pace.backoff = self.first_backoff if length == 0 else min(2 * length, self.max_backoff)
-        pace.refused_for, pace.refused_load = pace.backoff, load
-        self._verdicts[pace.source] = (self._steps, pace.backoff, min(load, refused_load))
+        step, length, refused_load = self._verdicts.get(pace.source, (0, 0, 0))
+        refused_load = min(load, refused_load or load)
+        if length and self._steps < step + length:
+            # The source's refusal still runs: sessions that drafted beside each other lose together, and
+            # their losses are one verdict. Doubled for each, eight losing in one step on a CPU at 16
+            # sessions set a 1,024-step refusal at once.
+            pace.backoff, pace.refused_for = length, step + length - self._steps
+        else:
+            length = max(pace.backoff, length)
+            pace.backoff = self.first_backoff if length == 0 else min(2 * length, self.max_backoff)
+            pace.refused_for, step = pace.backoff, self._steps
+        pace.refused_load = load
+        self._verdicts[pace.source] = (step, pace.backoff, refused_load)
         self._paid_probes.pop(pace.source, None)
         self.refusals += 1
 
