@@ -86,6 +86,8 @@ from specdec.types import VerifyOutcome
 # A session prefilled this long ago without a step since no longer counts as load about to arrive: a
 # burst's last prefill waits for all the others' (16 x 150 ms on a CPU) and its first draft.
 JOIN_WINDOW_S = 10.0
+# The load of the prior's verdict (_unpriced): none was measured, so it holds under any load of two or more.
+PRIOR_LOAD = -1
 
 
 @dataclass
@@ -188,7 +190,7 @@ class CycleWallPricing:
         verdict = self._verdicts.get(source)
         if verdict is None:
             return False
-        return load >= 2 if verdict[2] == 0 else load >= self.lighter * verdict[2]  # (0: the prior's)
+        return load >= 2 if verdict[2] == PRIOR_LOAD else load >= self.lighter * verdict[2]
 
     def _turn(self, session_id: str, source: str, load: int) -> int:
         """_wait_to_probe without taking the probe."""
@@ -213,7 +215,7 @@ class CycleWallPricing:
         if load < 2 or source in self._priced:
             return
         self._remember(self._priced, source, None)
-        self._verdicts.setdefault(source, (self._steps, 0, 0))
+        self._verdicts.setdefault(source, (self._steps, 0, PRIOR_LOAD))
 
     def _inherited_refusal(self, source: str) -> int:
         """Plain steps left of the source's latest refusal window: what a new session starts refused for."""
@@ -341,13 +343,14 @@ class CycleWallPricing:
             if self._holds(pace.source, load):  # under the refusal's load: the next session may probe now
                 paid = self._paid_probes.setdefault(pace.source, set())
                 paid.add(session_id)
-                if len(paid) >= (self._verdicts[pace.source][2] or load) / 2:  # enough: new sessions draft at once
+                held_load = self._verdicts[pace.source][2]
+                if len(paid) >= (load if held_load == PRIOR_LOAD else held_load) / 2:  # enough: new sessions draft
                     del self._verdicts[pace.source], self._paid_probes[pace.source]
             return
         # The source's refusal doubles, whichever of its sessions probed, and holds from the lightest
         # load it lost under.
-        step, length, refused_load = self._verdicts.get(pace.source, (0, 0, 0))
-        refused_load = min(load, refused_load or load)
+        step, length, refused_load = self._verdicts.get(pace.source, (0, 0, PRIOR_LOAD))
+        refused_load = load if refused_load == PRIOR_LOAD else min(load, refused_load)
         if length and self._steps < step + length:
             # The source's refusal still runs: sessions that drafted beside each other lose together, and
             # their losses are one verdict. Doubled for each, eight losing in one step on a CPU at 16
