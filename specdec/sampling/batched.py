@@ -60,12 +60,18 @@ def verify_batch(
         raise ValueError("each session needs k + 1 rows of target logits")
     flat_logits = torch.cat(session_rows)  # [R, vocab]
     _validate(batch, int(flat_logits.shape[-1]))
-    row_params = [request for request, k in zip(params, num_drafted) for _ in range(k + 1)]
-    target_probs = warp_rows(flat_logits, row_params)  # [R, vocab] float32
+    greedy = [request.greedy for request in params]
+    # Greedy sessions are verified on the logits' argmax alone; the warp, a softmax over every row's
+    # vocabulary, serves the sampling modes. Made for greedy rows too, it cost 16 greedy rows on
+    # 2 vCPUs 7 ms a step on top of a 110 ms forward (SmolLM2's 49,152 tokens), where a decode
+    # step takes the argmax only: the hosted draft's plain rows are verifies of nothing (round 53).
+    target_probs = None
+    if not all(greedy):
+        row_params = [request for request, k in zip(params, num_drafted) for _ in range(k + 1)]
+        target_probs = warp_rows(flat_logits, row_params)  # [R, vocab] float32
 
     num_accepted = torch.zeros(n, dtype=torch.long)
     next_token = torch.zeros(n, dtype=torch.long)
-    greedy = [request.greedy for request in params]
     rejection = [not request.greedy and request.mode is SamplingMode.REJECTION
                  for request in params]
     if any(greedy):
