@@ -113,9 +113,11 @@ async def test_concurrent_speculative_sessions_equal_plain_decoding(services, pl
 
 
 async def test_a_draft_service_that_loses_under_load_is_refused_and_output_is_unchanged(services, dirs):
-    """Fixed k = 4 from a draft service 40 ms a forward, 8 sessions at once: once the target has
-    measured their cycles against its plain steps it cuts their drafts and tells them to decode
-    plainly (the metric counts the verdicts); every session still gets plain decoding's tokens."""
+    """Fixed k = 4 from a draft service 40 ms a forward, 8 sessions at once on a source the target has
+    not priced: it lets one session probe and tells the others at their start to decode plainly, and
+    once a probe's cycles have lost against its plain steps it refuses them all (the metric counts
+    those verdicts; whether a probe finishes its cycles before the plain sessions end depends on the
+    machine's pace); every session still gets plain decoding's tokens."""
     new_tokens = 64
     engine = TargetEngine(load_model(dirs["target"], backend="native", num_slots=2, max_context=CONTEXT))
     expected = [await run(LocalTarget(engine), None, i, new_tokens=new_tokens) for i in range(SESSIONS)]
@@ -127,7 +129,8 @@ async def test_a_draft_service_that_loses_under_load_is_refused_and_output_is_un
         assert got[i].token_ids == expected[i], f"session {i} ({PARAMS[i % len(PARAMS)]})"
     refusals = [line for line in services["target"].metrics().splitlines()
                 if line.startswith("specdec_target_draft_refusals_total ")]
-    assert refusals and float(refusals[0].split()[1]) >= 1
+    refused_at_start = sum(r.stats.cycles == 0 for r in got)
+    assert refusals and (float(refusals[0].split()[1]) >= 1 or refused_at_start >= SESSIONS // 2), refused_at_start
     plain_steps = sum(r.stats.decode_steps for r in got)
     cycles = sum(r.stats.cycles for r in got)
     assert plain_steps > cycles, (plain_steps, cycles)  # refused: mostly plain decoding
